@@ -1,0 +1,202 @@
+"""The `nowait` command line: one Typer app."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from enum import Enum
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from nowait import paths
+
+app = typer.Typer(help="nowait: route each request to the engine that pays, and plan the fleet.",
+                  no_args_is_help=True, pretty_exceptions_enable=False)
+console = Console()
+err_console = Console(stderr=True)
+
+
+@app.callback()
+def root() -> None:
+    """nowait: route each request to the engine that pays, and plan the fleet."""
+
+
+class TrainKind(str, Enum):
+    ar = "ar"
+    draft = "draft"
+    diffusion = "diffusion"
+
+
+def fail(message: str) -> None:
+    """One clear line on stderr and a non-zero exit; no traceback."""
+    err_console.print(f"[red]error:[/red] {message}", highlight=False)
+    raise typer.Exit(code=2)
+
+
+@app.command()
+def train(
+    kind: TrainKind = typer.Argument(..., help="ar (target), draft (speculative draft) or diffusion"),
+    steps: int = typer.Option(None, help="total optimizer steps (default per kind)"),
+    batch_size: int = typer.Option(16),
+    learning_rate: float = typer.Option(None, help="peak learning rate (default per kind)"),
+    eval_every: int = typer.Option(500),
+    eval_documents: int = typer.Option(60, help="validation documents per periodic evaluation"),
+    threads: int = typer.Option(2),
+    seed: int = typer.Option(0),
+    run_dir: Path = typer.Option(None, help="checkpoints and log (default runs/KIND)"),
+    out: Path = typer.Option(None, help="exported model directory (default: the bundled assets)"),
+    init_from: Path = typer.Option(None, help="diffusion: start from this AR checkpoint (default: bundled ar)"),
+) -> None:
+    """Train a demo model (resumes from RUN_DIR/state.pt when present)."""
+    from nowait.training import TrainSettings
+    from nowait.training import train as run_training
+
+    defaults = {"ar": (12000, 2e-3), "draft": (8000, 3e-3), "diffusion": (8000, 1e-3)}[kind.value]
+    settings = TrainSettings(
+        kind=kind.value, steps=steps or defaults[0], batch_size=batch_size,
+        learning_rate=learning_rate or defaults[1], eval_every=eval_every,
+        eval_documents=eval_documents, threads=threads, seed=seed,
+    )
+    if kind is TrainKind.diffusion:
+        settings.init_from = str(init_from or paths.model_dir("ar"))
+        settings.curriculum_steps = 0
+    run_dir = run_dir or Path("runs") / kind.value
+    out = out or paths.model_dir(kind.value)
+    columns = [TextColumn("[bold]train " + kind.value), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TimeRemainingColumn()]
+    with Progress(*columns, console=console, refresh_per_second=2) as progress:
+        task = progress.add_task("train", total=settings.steps, status="")
+        last: dict = {}
+
+        def report(step: int, record: dict) -> None:
+            if "eval" in record:
+                last["eval"] = record["eval"]["field_accuracy"]
+            if "answer_loss_avg10" in record:
+                last["loss"] = record["answer_loss_avg10"]
+            status = f"answer loss {last.get('loss', float('nan')):.3f}"
+            if "eval" in last:
+                status += f"  val field acc {last['eval']:.3f}"
+            progress.update(task, completed=step, status=status)
+
+        result = run_training(settings, run_dir, out, paths.tokenizer_path(), progress=report)
+    shutil.copy2(run_dir / "log.jsonl", Path(out) / "training_log.jsonl")
+    console.print_json(json.dumps(result))
+
+
+def _load_model(model: str, engine: str):
+    """Load a bundled demo model by name or a checkpoint directory by path, or fail clearly."""
+    from nowait.checkpoints import CheckpointError, load_pretrained
+
+    try:
+        return load_pretrained(paths.model_dir(model))
+    except CheckpointError as error:
+        fail(str(error))
+
+
+@app.command("eval")
+def evaluate(
+    engine: str = typer.Option("ar", help="ar or diffusion"),
+    n: int = typer.Option(100, help="documents to decode"),
+    split: str = typer.Option("test", help="validation or test (ignored with --seed)"),
+    seed: int = typer.Option(None, help="a fresh sample of the same distribution, never seen in training"),
+    model: str = typer.Option(None, help="checkpoint directory (default: the bundled model of the engine)"),
+    batch_size: int = typer.Option(32),
+    block: int = typer.Option(32, help="diffusion block length"),
+    threads: int = typer.Option(None, help="CPU threads (default: torch's choice)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Decode N held-out documents and score the JSON: field and document accuracy, validity."""
+    import torch
+
+    from nowait.evaluation import ENGINES, run_eval
+
+    if engine not in ENGINES:
+        fail(f"unknown engine {engine!r}; choose one of: {', '.join(ENGINES)}")
+    if seed is None and split not in ("validation", "test"):
+        fail(f"unknown split {split!r}; choose validation or test (or give --seed)")
+    if n < 1:
+        fail("--n must be at least 1")
+    if threads:
+        torch.set_num_threads(threads)
+    loaded = _load_model(model or engine, engine)
+    columns = [TextColumn(f"[bold]eval {engine}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TimeRemainingColumn()]
+    with Progress(*columns, console=err_console, transient=as_json) as progress:
+        task = progress.add_task("eval", total=n)
+        try:
+            result = run_eval(loaded.model, loaded.codec, engine, n, split=split, seed=seed,
+                              batch_size=batch_size, block=block,
+                              on_batch=lambda k: progress.advance(task, k))
+        except ValueError as error:
+            fail(str(error))
+    result["settings"]["model"] = str(loaded.path)
+    if as_json:
+        print(json.dumps(result))
+        return
+    _print_eval_table(result)
+
+
+def _print_eval_table(result: dict) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"nowait eval ({result['settings']['engine']}, n={result['n']})")
+    for column in ("kind", "n", "field acc", "present field acc", "doc acc", "JSON valid"):
+        table.add_column(column, justify="right" if column != "kind" else "left")
+    rows = [(kind, m) for kind, m in result["per_kind"].items()] + [("all", result)]
+    for kind, m in rows:
+        table.add_row(kind, str(m["n"]), f"{m['field_accuracy']:.3f}", f"{m['present_field_accuracy']:.3f}",
+                      f"{m['doc_accuracy']:.3f}", f"{m['json_valid_rate']:.3f}")
+    console.print(table)
+    console.print(f"{result['settings']['decoding']}; {result['elapsed_s']} s", highlight=False)
+
+
+@app.command()
+def extract(
+    file: Path = typer.Argument(None, help="a text document (default: the bundled sample KYC form)"),
+    kind: str = typer.Option(None, help="kyc, letter_of_credit or loan_application (default: guessed)"),
+    engine: str = typer.Option("ar", help="ar or diffusion"),
+    model: str = typer.Option(None, help="checkpoint directory (default: the bundled model of the engine)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object with the extraction and its stats"),
+) -> None:
+    """Extract one document to JSON and say how it was produced."""
+    from nowait.evaluation import ENGINES, check_engine
+    from nowait.evaluation import extract as run_extract
+
+    if engine not in ENGINES:
+        fail(f"unknown engine {engine!r}; choose one of: {', '.join(ENGINES)}")
+    path = file or paths.sample_document()
+    if not path.is_file():
+        fail(f"{path}: no such file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError) as error:
+        fail(f"{path}: cannot read as UTF-8 text ({error})")
+    loaded = _load_model(model or engine, engine)
+    try:
+        check_engine(loaded.model, engine)
+        result = run_extract(loaded.model, loaded.codec, text, kind)
+    except ValueError as error:
+        fail(f"{path}: {error}")
+    how = {
+        "engine": engine, "model": str(loaded.path), "kind": result.kind,
+        "decoding": "greedy, KV cache" if engine == "ar" else "LLaDA reference schedule, 1 token per forward",
+        "prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+        "forwards": result.forwards, "tokens_per_forward": round(result.tokens_per_forward, 2),
+        "seconds": round(result.seconds, 3), "schema_valid": result.schema_valid,
+    }
+    if as_json:
+        print(json.dumps({"extraction": result.value, "text": result.text, **how}))
+        return
+    console.print_json(result.text) if result.value is not None else console.print(result.text, highlight=False)
+    console.print(", ".join(f"{k}={v}" for k, v in how.items()), style="dim", highlight=False)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

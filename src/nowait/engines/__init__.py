@@ -1,0 +1,1 @@
+"""Engines that turn prompts into completions: autoregressive and masked diffusion."""

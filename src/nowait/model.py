@@ -1,0 +1,331 @@
+"""One transformer of the Llama/Qwen2 family, causal (AR) or bidirectional (masked diffusion).
+
+RMSNorm, rotary position embeddings, SwiGLU, grouped-query attention, optional qkv bias, tied or
+untied embeddings: the parts Llama, Qwen2, LLaDA and Dream share. One `KVCache` serves
+incremental AR decode, a batch of sequences of different lengths, and a bidirectional forward
+over new tokens that reuses a prefix's keys/values (exact against a block-causal mask).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 1024
+    hidden_size: int = 256
+    intermediate_size: int = 688
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    head_dim: int | None = None  # hidden_size // num_heads unless a checkpoint says otherwise
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    qkv_bias: bool = False
+    tie_embeddings: bool = True
+    causal: bool = True
+    max_position: int = 1024
+    # Diffusion conventions, read from the checkpoint rather than assumed by the engines:
+    mask_token_id: int | None = None
+    logits_shift: bool = False  # Dream-style: logits at position i predict token i + 1
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> ModelConfig:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+    # --- cost model: the planner and benchmarks read these ---
+
+    def parameter_count(self, include_embeddings: bool = True) -> int:
+        d, hd = self.hidden_size, self.head_dim
+        attention = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
+        if self.qkv_bias:
+            attention += hd * (self.num_heads + 2 * self.num_kv_heads)
+        mlp = 3 * d * self.intermediate_size
+        per_layer = attention + mlp + 2 * d
+        total = per_layer * self.num_layers + d
+        if include_embeddings:
+            total += self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return total
+
+    def forward_cost(self, new_tokens: int, cached_tokens: int = 0, batch: int = 1,
+                     dtype_bytes: int = 2) -> ForwardCost:
+        """FLOPs and bytes moved for a forward of `new_tokens` over `cached_tokens` per sequence.
+
+        Matmuls: 2 FLOPs per weight per token. Attention: QK^T and AV, 4 * heads * head_dim
+        FLOPs per (query, key) pair. Bytes: every weight read once per forward (the reason AR
+        decode at batch 1 is memory-bound), the cache read, the new keys/values written, and
+        the activations entering and leaving each layer.
+        """
+        d, hd, layers = self.hidden_size, self.head_dim, self.num_layers
+        tokens = new_tokens * batch
+        linear_weights = self.parameter_count(include_embeddings=False) - (2 * layers + 1) * d
+        head_weights = self.vocab_size * d
+        keys_per_query = cached_tokens + new_tokens
+        attention_flops = 4 * self.num_heads * hd * new_tokens * keys_per_query * batch * layers
+        flops = 2 * (linear_weights + head_weights) * tokens + attention_flops
+        kv_per_token = 2 * self.num_kv_heads * hd * layers
+        weight_bytes = (self.parameter_count(include_embeddings=False) + head_weights) * dtype_bytes
+        cache_bytes = (cached_tokens * batch + tokens) * kv_per_token * dtype_bytes
+        activation_bytes = 2 * tokens * d * layers * dtype_bytes + tokens * self.vocab_size * dtype_bytes
+        return ForwardCost(flops=float(flops), bytes=float(weight_bytes + cache_bytes + activation_bytes))
+
+
+@dataclass(frozen=True)
+class ForwardCost:
+    flops: float
+    bytes: float
+
+    @property
+    def intensity(self) -> float:
+        """Arithmetic intensity, FLOPs per byte moved."""
+        return self.flops / self.bytes
+
+
+class KVCache:
+    """Keys and values of every layer for a batch of sequences of different lengths.
+
+    Stored as [batch, slots, kv_heads, head_dim]; `lengths[b]` counts the valid slots of row b.
+    Rolling back (speculative decoding) is lowering `lengths`; nothing is cleared.
+    """
+
+    def __init__(self, config: ModelConfig, batch: int, max_tokens: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        shape = (batch, max_tokens, config.num_kv_heads, config.head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.max_tokens = max_tokens
+
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+    def truncate(self, lengths: Tensor) -> None:
+        self.lengths = torch.minimum(self.lengths, lengths.to(self.lengths))
+
+    def select(self, rows: Tensor) -> None:
+        """Keep only the given batch rows (in that order), e.g. when sequences finish."""
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]
+        self.lengths = self.lengths[rows]
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # Computed in fp32: the reduction over the hidden size loses precision in 16-bit.
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rotary_tables(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos/sin of RoFormer's rotary embedding at integer positions [B, T] -> [B, T, 1, head_dim]."""
+    inverse_frequency = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    angles = positions.float()[..., None] * inverse_frequency
+    angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate the two halves of each head (the Llama/Hugging Face layout, not interleaved)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        hd = config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, config.num_heads * hd, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * hd, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * hd, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.num_heads * hd, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, layer: int,
+                cache: KVCache | None, write_positions: Tensor | None, key_slots: int) -> Tensor:
+        batch, length, _ = x.shape
+        c = self.config
+        q = self.q_proj(x).view(batch, length, c.num_heads, c.head_dim)
+        k = self.k_proj(x).view(batch, length, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(x).view(batch, length, c.num_kv_heads, c.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:
+            if write_positions is not None:
+                rows = torch.arange(batch, device=x.device)[:, None].expand_as(write_positions)
+                cache.keys[layer][rows, write_positions] = k.to(cache.keys[layer].dtype)
+                cache.values[layer][rows, write_positions] = v.to(cache.values[layer].dtype)
+                k = cache.keys[layer][:, :key_slots].to(q.dtype)
+                v = cache.values[layer][:, :key_slots].to(q.dtype)
+            else:  # read the prefix, keep the new keys out of the cache
+                k = torch.cat([cache.keys[layer][:, :key_slots].to(q.dtype), k], dim=1)
+                v = torch.cat([cache.values[layer][:, :key_slots].to(q.dtype), v], dim=1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=mask, is_causal=mask is None and c.causal and cache is None,
+            enable_gqa=c.num_kv_heads != c.num_heads,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, layer: int,
+                cache: KVCache | None, write_positions: Tensor | None, key_slots: int) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, layer, cache, write_positions, key_slots)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """Parameter names follow Hugging Face Llama (`model.layers.0.self_attn.q_proj.weight`)
+    minus the `model.` prefix, so checkpoints map by a prefix alone."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def output_weight(self) -> Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: Tensor, cache: KVCache | None = None, valid_lengths: Tensor | None = None,
+                write_cache: bool = True, attention_mask: Tensor | None = None,
+                positions: Tensor | None = None) -> Tensor:
+        """Logits [B, T, vocab] for `input_ids` [B, T].
+
+        Without a cache: a plain forward, causal or bidirectional per the config; an optional
+        boolean `attention_mask` [B, T, T] (True = may attend) replaces the default pattern.
+        With a cache: the new tokens sit after each row's cached prefix. `valid_lengths[b]`
+        counts the real tokens of row b (the rest is right padding). `write_cache=True`
+        appends them to the cache (AR prefill/decode); False lets them attend to the prefix and
+        to each other without being stored (a diffusion step over a cached prompt).
+        """
+        batch, length = input_ids.shape
+        device = input_ids.device
+        c = self.config
+        if valid_lengths is None:
+            valid_lengths = torch.full((batch,), length, dtype=torch.long, device=device)
+        offsets = cache.lengths if cache is not None else torch.zeros(batch, dtype=torch.long, device=device)
+        if positions is None:
+            positions = offsets[:, None] + torch.arange(length, device=device)
+        cos, sin = rotary_tables(positions, c.head_dim, c.rope_theta)
+        mask, write_positions, key_slots = attention_mask, None, 0
+        if mask is not None:
+            mask = mask[:, None]
+        if cache is not None:
+            mask, write_positions, key_slots = self._cache_mask(cache, length, valid_lengths, write_cache)
+        elif mask is None and (not c.causal) and bool((valid_lengths < length).any()):
+            mask = key_padding_mask(valid_lengths, length)[:, None, None, :].expand(batch, 1, length, length)
+        x = self.embed_tokens(input_ids)
+        for index, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, index, cache, write_positions, key_slots)
+        if cache is not None and write_cache:
+            cache.lengths = cache.lengths + valid_lengths
+        return F.linear(self.norm(x), self.output_weight())
+
+    def _cache_mask(self, cache: KVCache, length: int, valid_lengths: Tensor,
+                    write_cache: bool) -> tuple[Tensor, Tensor | None, int]:
+        device = cache.lengths.device
+        prefix = cache.lengths
+        new_index = torch.arange(length, device=device)
+        if write_cache:
+            if int((prefix + length).max()) > cache.max_tokens:
+                raise ValueError(f"KV cache holds {cache.max_tokens} tokens; this forward needs more")
+            write_positions = prefix[:, None] + new_index
+            key_slots = int((prefix + length).max())
+            slot = torch.arange(key_slots, device=device)
+            valid = slot[None, :] < (prefix + valid_lengths)[:, None]  # [B, S]
+            mask = valid[:, None, :].expand(-1, length, -1)
+            if self.config.causal:
+                mask = mask & (slot[None, None, :] <= write_positions[:, :, None])
+            return mask[:, None], write_positions, key_slots
+        key_slots = int(prefix.max())
+        prefix_valid = torch.arange(key_slots, device=device)[None, :] < prefix[:, None]  # [B, P]
+        new_valid = new_index[None, :] < valid_lengths[:, None]  # [B, T]
+        mask = torch.cat([prefix_valid, new_valid], dim=1)[:, None, :].expand(-1, length, -1)
+        if self.config.causal:
+            causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+            mask = mask.clone()
+            mask[:, :, key_slots:] &= causal
+        return mask[:, None], None, key_slots
+
+
+def key_padding_mask(valid_lengths: Tensor, length: int) -> Tensor:
+    """[B, T] True where a key is a real token, False on right padding."""
+    return torch.arange(length, device=valid_lengths.device)[None, :] < valid_lengths[:, None]
+
+
+def block_causal_mask(prefix_length: int, total_length: int, device: torch.device | str = "cpu") -> Tensor:
+    """[T, T]: the prefix attends only to itself; the tokens after it attend to everything.
+
+    This is the attention pattern under which caching a prompt's keys/values once and reusing
+    them for every diffusion step over the answer is exact rather than an approximation.
+    """
+    mask = torch.ones(total_length, total_length, dtype=torch.bool, device=device)
+    mask[:prefix_length, prefix_length:] = False
+    return mask
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def default_init_std(config: ModelConfig) -> float:
+    return 0.02 if config.hidden_size >= 128 else 1 / math.sqrt(config.hidden_size)

@@ -1,0 +1,269 @@
+"""Training the demo models: an AR target, a smaller AR draft, and a masked-diffusion model.
+
+AR: next-token cross-entropy on the answer, plus a down-weighted loss on the document tokens
+(without it a small model learns the JSON format but never starts copying values).
+Diffusion: the LLaDA objective (arXiv 2502.09992) on the answer window: mask each position with
+probability t ~ U(0, 1), cross-entropy on the masked positions weighted by 1/t. It starts from
+the trained AR weights with Dream's logit shift (position i predicts i + 1), as Dream-7B and
+DiffuLLaMA adapt AR models, so the copying circuits carry over.
+
+A curriculum ramps the corpus' `variety` from clean, pre-normalized documents (pure copying)
+to the full distribution, so the copying heads form before the normalizations are learned.
+Runs are resumable: the data stream is a function of its index, stored with the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from nowait.checkpoints import load_pretrained, save_pretrained
+from nowait.engines.diffusion import window_logits
+from nowait.evaluation import ANSWER_WINDOW, evaluate_model
+from nowait.extraction.corpus import Document, documents, training_stream
+from nowait.model import ModelConfig, Transformer
+from nowait.tokenizer import END, TextCodec, extraction_prompt, train_tokenizer
+
+MODEL_PRESETS: dict[str, dict] = {
+    "ar": dict(hidden_size=192, intermediate_size=512, num_layers=4, num_heads=6, num_kv_heads=3),
+    "draft": dict(hidden_size=128, intermediate_size=344, num_layers=2, num_heads=4, num_kv_heads=2),
+    "diffusion": dict(hidden_size=192, intermediate_size=512, num_layers=4, num_heads=6, num_kv_heads=3,
+                      causal=False, logits_shift=True),
+}
+
+
+@dataclass
+class TrainSettings:
+    kind: str  # ar | draft | diffusion
+    steps: int = 6000
+    batch_size: int = 16
+    learning_rate: float = 2e-3
+    warmup_steps: int = 100
+    decay_fraction: float = 0.2  # warmup-stable-decay: cosine to 10% over the last 20% of steps
+    document_loss_weight: float = 0.5
+    curriculum_steps: int = 400  # variety ramps 0 -> 1 over these steps
+    weight_decay: float = 0.01
+    seed: int = 0
+    eval_every: int = 500
+    eval_documents: int = 60
+    threads: int = 2
+    init_from: str | None = None  # diffusion: a trained AR checkpoint directory
+    model: dict = field(default_factory=dict)
+
+
+def learning_rate_at(step: int, settings: TrainSettings) -> float:
+    """Warmup-stable-decay: linear warmup, constant, cosine down to 10% at the end."""
+    if step < settings.warmup_steps:
+        return settings.learning_rate * (step + 1) / settings.warmup_steps
+    decay_start = int(settings.steps * (1 - settings.decay_fraction))
+    if step < decay_start:
+        return settings.learning_rate
+    progress = (step - decay_start) / max(1, settings.steps - decay_start)
+    return settings.learning_rate * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def curriculum(settings: TrainSettings) -> Callable[[int], float]:
+    """variety as a function of the data index: 0 at the start, 1 after `curriculum_steps`."""
+    ramp = max(1, settings.curriculum_steps * settings.batch_size)
+    return lambda index: min(1.0, index / ramp)
+
+
+# --- batches ---
+
+
+def ar_batch(docs: list[Document], codec: TextCodec, document_weight: float) -> tuple[torch.Tensor, ...]:
+    """Inputs, targets and per-target weights (answer 1, document `document_weight`, pad 0)."""
+    sequences, prompt_lengths = [], []
+    for doc in docs:
+        prompt = codec.encode(extraction_prompt(doc.kind, doc.text))
+        sequences.append(prompt + codec.encode(doc.answer_json()) + [codec.end_id])
+        prompt_lengths.append(len(prompt))
+    length = max(len(s) for s in sequences) - 1
+    inputs = torch.full((len(docs), length), codec.end_id, dtype=torch.long)
+    targets = torch.full((len(docs), length), codec.end_id, dtype=torch.long)
+    answer = torch.zeros(len(docs), length)
+    document = torch.zeros(len(docs), length)
+    for row, (seq, prompt_length) in enumerate(zip(sequences, prompt_lengths, strict=True)):
+        n = len(seq) - 1
+        inputs[row, :n] = torch.tensor(seq[:-1])
+        targets[row, :n] = torch.tensor(seq[1:])
+        answer[row, prompt_length - 1: n] = 1.0  # target index t predicts token t + 1
+        document[row, : prompt_length - 1] = document_weight
+    return inputs, targets, answer, document
+
+
+def ar_loss(model: Transformer, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, dict]:
+    inputs, targets, answer, document = batch
+    logits = model(inputs)
+    losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none").view_as(answer)
+    answer_loss = (losses * answer).sum() / answer.sum()
+    document_loss = (losses * (document > 0)).sum() / (document > 0).sum().clamp(min=1)
+    weight = float(document.max()) if document.numel() else 0.0
+    return answer_loss + weight * document_loss, {"answer_loss": float(answer_loss.detach()),
+                                                  "document_loss": float(document_loss.detach())}
+
+
+def diffusion_batch(docs: list[Document], codec: TextCodec, window: int,
+                    generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Prompt + answer window (answer, end, end-padding); each window position masked w.p. t."""
+    prompts = [codec.encode(extraction_prompt(doc.kind, doc.text)) for doc in docs]
+    answers = []
+    for doc in docs:
+        answer = [*codec.encode(doc.answer_json())[: window - 1], codec.end_id]
+        answers.append(answer + [codec.end_id] * (window - len(answer)))
+    prompt_lengths = torch.tensor([len(p) for p in prompts])
+    total = prompt_lengths + window
+    tokens = torch.full((len(docs), int(total.max())), codec.end_id, dtype=torch.long)
+    for row, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
+        tokens[row, : len(prompt)] = torch.tensor(prompt)
+        tokens[row, len(prompt): len(prompt) + window] = torch.tensor(answer)
+    # LLaDA's p_mask = (1 - eps) t + eps keeps 1/t bounded.
+    t = torch.rand(len(docs), generator=generator)
+    p_mask = (1 - 1e-3) * t + 1e-3
+    masked = torch.rand(len(docs), window, generator=generator) < p_mask[:, None]
+    positions = prompt_lengths[:, None] + torch.arange(window)
+    rows = torch.arange(len(docs))[:, None]
+    targets = tokens[rows, positions].clone()
+    noisy = tokens.clone()
+    noisy[rows, positions] = torch.where(masked, torch.full_like(targets, codec.mask_id), targets)
+    return noisy, total, prompt_lengths, targets, masked, p_mask
+
+
+def diffusion_loss(model: Transformer, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, dict]:
+    noisy, total, prompt_lengths, targets, masked, p_mask = batch
+    window = targets.shape[1]
+    logits = window_logits(model(noisy, valid_lengths=total), prompt_lengths, window, model.config.logits_shift)
+    losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none").view_as(targets)
+    weighted = (losses * masked / p_mask[:, None]).sum() / (len(targets) * window)
+    plain = (losses * masked).sum() / masked.sum().clamp(min=1)
+    return weighted, {"answer_loss": float(plain.detach())}
+
+
+# --- the training loop ---
+
+
+def build_tokenizer(path: Path, documents_for_vocabulary: int = 6000, vocab_size: int = 1024) -> TextCodec:
+    """Train the shared BPE on training documents only (never validation or test)."""
+    stream = training_stream(0)
+    texts = []
+    for _ in range(documents_for_vocabulary):
+        doc = next(stream)
+        texts.append(extraction_prompt(doc.kind, doc.text) + doc.answer_json() + END)
+    tokenizer = train_tokenizer(texts, vocab_size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(path))
+    return TextCodec(tokenizer)
+
+
+BUCKETS = 4  # batches drawn together and grouped by length, so padding wastes little compute
+
+
+def _batches(settings: TrainSettings, start_index: int) -> Iterator[tuple[list[Document], int]]:
+    """Batches of similar length. The data index advances a whole pool at a time, so a resumed
+    run starts at a pool boundary (at most BUCKETS - 1 batches are seen twice or skipped)."""
+    stream = training_stream(start_index, variety=curriculum(settings))
+    index = start_index
+    size = settings.batch_size
+    order = random.Random(f"buckets:{settings.seed}:{start_index}")
+    while True:
+        pool = sorted((next(stream) for _ in range(size * BUCKETS)), key=lambda d: len(d.text) + len(d.answer_json()))
+        index += size * BUCKETS
+        groups = [pool[i: i + size] for i in range(0, len(pool), size)]
+        order.shuffle(groups)
+        yield from ((group, index) for group in groups)
+
+
+def _new_model(settings: TrainSettings, codec: TextCodec) -> Transformer:
+    if settings.init_from:
+        loaded = load_pretrained(settings.init_from)
+        config = loaded.model.config
+        config.causal = settings.model.get("causal", config.causal)
+        config.logits_shift = settings.model.get("logits_shift", config.logits_shift)
+        config.mask_token_id = codec.mask_id
+        model = Transformer(config)
+        model.load_state_dict(loaded.model.state_dict())
+        return model
+    config = ModelConfig(vocab_size=codec.vocab_size, mask_token_id=codec.mask_id, **settings.model)
+    return Transformer(config)
+
+
+def train(settings: TrainSettings, run_dir: Path, export_dir: Path, tokenizer_path: Path,
+          progress: Callable[[int, dict], None] | None = None) -> dict:
+    """Train (or resume) a model; export the best validation checkpoint to `export_dir`.
+
+    Writes `run_dir/state.pt` (model, optimizer, step, data index) after every evaluation,
+    `run_dir/log.jsonl` (loss per 10 steps, validation metrics per evaluation) and
+    `run_dir/settings.json`.
+    """
+    torch.set_num_threads(settings.threads)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    codec = TextCodec.from_file(tokenizer_path) if tokenizer_path.exists() else build_tokenizer(tokenizer_path)
+    state_path, log_path = run_dir / "state.pt", run_dir / "log.jsonl"
+    settings.model = {**MODEL_PRESETS.get(settings.kind, {}), **settings.model}
+    torch.manual_seed(settings.seed)
+    random.seed(settings.seed)
+    model = _new_model(settings, codec)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate, betas=(0.9, 0.95),
+                                  weight_decay=settings.weight_decay)
+    step, data_index, best = 0, 0, -1.0
+    generator = torch.Generator().manual_seed(settings.seed)
+    if state_path.exists():
+        state = torch.load(state_path, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, data_index, best = state["step"], state["data_index"], state["best"]
+        generator.set_state(state["generator"])
+    (run_dir / "settings.json").write_text(json.dumps(asdict(settings), indent=2) + "\n")
+    validation = documents("validation", settings.eval_documents)
+    batches = _batches(settings, data_index)
+    log = log_path.open("a")
+    recent: list[float] = []
+    started = time.time()
+    while step < settings.steps:
+        docs, data_index = next(batches)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate_at(step, settings)
+        model.train()
+        if settings.kind == "diffusion":
+            loss, parts = diffusion_loss(model, diffusion_batch(docs, codec, ANSWER_WINDOW, generator))
+        else:
+            loss, parts = ar_loss(model, ar_batch(docs, codec, settings.document_loss_weight))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        recent.append(parts["answer_loss"])
+        record = {"step": step, "loss": float(loss), **parts, "lr": learning_rate_at(step - 1, settings)}
+        if step % 10 == 0:
+            record["answer_loss_avg10"] = sum(recent[-10:]) / len(recent[-10:])
+            record["elapsed_s"] = round(time.time() - started, 1)
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+        if step % settings.eval_every == 0 or step == settings.steps:
+            metrics = evaluate_model(model, codec, validation)
+            metrics.pop("per_kind")
+            record = {"step": step, "eval": metrics, "elapsed_s": round(time.time() - started, 1)}
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            if metrics["field_accuracy"] >= best:
+                best = metrics["field_accuracy"]
+                save_pretrained(model, codec, export_dir, notes={
+                    "kind": settings.kind, "step": step, "validation": metrics,
+                    "settings": {k: v for k, v in asdict(settings).items() if k != "model"},
+                })
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                        "data_index": data_index, "best": best, "generator": generator.get_state()},
+                       state_path)
+        if progress:
+            progress(step, record)
+    log.close()
+    return {"step": step, "best_validation_field_accuracy": best, "export": str(export_dir)}
