@@ -62,7 +62,7 @@ def train(
     )
     if kind is TrainKind.diffusion:
         settings.init_from = str(init_from or paths.model_dir("ar"))
-        settings.curriculum_steps = 0
+        settings.clean_steps = settings.curriculum_steps = 0
     run_dir = run_dir or Path("runs") / kind.value
     out = out or paths.model_dir(kind.value)
     columns = [TextColumn("[bold]train " + kind.value), BarColumn(), MofNCompleteColumn(),

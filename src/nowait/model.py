@@ -8,7 +8,6 @@ over new tokens that reuses a prefix's keys/values (exact against a block-causal
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
@@ -325,7 +324,3 @@ def block_causal_mask(prefix_length: int, total_length: int, device: torch.devic
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-def default_init_std(config: ModelConfig) -> float:
-    return 0.02 if config.hidden_size >= 128 else 1 / math.sqrt(config.hidden_size)

@@ -22,8 +22,11 @@ MASK = "<|mask|>"  # the masked-diffusion mask token
 SYSTEM, USER, ASSISTANT = "<|system|>", "<|user|>", "<|assistant|>"
 SPECIAL_TOKENS = [END, MASK, SYSTEM, USER, ASSISTANT]
 
-# letter runs | one digit | runs of anything else (punctuation and whitespace together)
-PRE_TOKEN_PATTERN = r"\p{L}+|\p{N}|[^\p{L}\p{N}]+"
+# letter runs | one digit | runs of layout/JSON glue (whitespace " : , { } [ ]) | any other
+# single character. Glue never occurs inside a value, so BPE cannot merge across a value's
+# edge: "+44..." after ": " and after '": "' starts with the same "+" token, "S.A." before
+# "\n" and before '", "' ends with the same "." token.
+PRE_TOKEN_PATTERN = r'\p{L}+|\p{N}|[\s":,{}\[\]]+|[^\p{L}\p{N}\s":,{}\[\]]'
 
 
 def _pre_tokenizer() -> pre_tokenizers.PreTokenizer:

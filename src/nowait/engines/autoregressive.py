@@ -32,12 +32,12 @@ def greedy_decode(model: Transformer, prompts: list[list[int]], max_new_tokens: 
     forwards = 1
     outputs: list[list[int]] = [[] for _ in range(batch)]
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    for _ in range(max_new_tokens):
+    for produced in range(1, max_new_tokens + 1):
         finished_now = finished | (next_ids == end_id)
         for row in (~finished_now).nonzero().flatten().tolist():
             outputs[row].append(int(next_ids[row]))
         finished = finished_now
-        if bool(finished.all()):
+        if bool(finished.all()) or produced == max_new_tokens:
             break
         next_ids = model(next_ids[:, None], cache)[:, -1].argmax(-1)
         forwards += 1

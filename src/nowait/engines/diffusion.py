@@ -64,6 +64,7 @@ def reference_decode(model: Transformer, prompts: list[list[int]], window: int, 
             if not bool(still_masked.any()):
                 break
             logits = window_logits(model(tokens, valid_lengths=total), prompt_lengths, window, shift)
+            logits[..., mask_id] = float("-inf")  # committing the mask token would commit nothing
             forwards += 1
             probabilities = logits.float().softmax(-1)
             confidence, prediction = probabilities.max(-1)
