@@ -21,14 +21,16 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from nowait.checkpoints import load_pretrained, save_pretrained
 from nowait.engines.diffusion import window_logits
+from nowait.engines.structured import Template, build_template, fill_template
 from nowait.evaluation import ANSWER_WINDOW, evaluate_model
-from nowait.extraction.corpus import Document, documents, training_stream
+from nowait.extraction.corpus import KINDS, Document, documents, schema_for, training_stream
 from nowait.model import ModelConfig, Transformer
 from nowait.tokenizer import END, TextCodec, extraction_prompt, train_tokenizer
 
@@ -57,6 +59,7 @@ class TrainSettings:
     eval_documents: int = 60
     threads: int = 2
     init_from: str | None = None  # diffusion: a trained AR checkpoint directory
+    template_fraction: float = 0.5  # diffusion: share of rows in the schema-template layout
     model: dict = field(default_factory=dict)
 
 
@@ -118,39 +121,71 @@ def ar_loss(model: Transformer, batch: tuple[torch.Tensor, ...]) -> tuple[torch.
                                                   "document_loss": float(document_loss.detach())}
 
 
-def diffusion_batch(docs: list[Document], codec: TextCodec, window: int,
-                    generator: torch.Generator) -> tuple[torch.Tensor, ...]:
-    """Prompt + answer window (answer, end, end-padding); each window position masked w.p. t."""
-    prompts = [codec.encode(extraction_prompt(doc.kind, doc.text)) for doc in docs]
-    answers = []
+class DiffusionBatch(NamedTuple):
+    noisy: torch.Tensor  # [B, L] prompt + answer window with masked positions replaced
+    total: torch.Tensor  # [B] real length of each row
+    prompt_lengths: torch.Tensor  # [B]
+    targets: torch.Tensor  # [B, W] the answer window (end-padded past each row's window)
+    masked: torch.Tensor  # [B, W] positions replaced by the mask token
+    p_mask: torch.Tensor  # [B] masking probability of each row
+    maskable: torch.Tensor  # [B, W] positions the model must learn to fill
+
+
+def diffusion_batch(docs: list[Document], codec: TextCodec, window: int, generator: torch.Generator,
+                    templates: dict[str, Template] | None = None, template_fraction: float = 0.0) -> DiffusionBatch:
+    """Prompt + answer window; each fillable window position is masked with probability t.
+
+    Free-form rows: the JSON, an end token, end padding to `window`; every position fillable.
+    Template rows (a `template_fraction` of rows when `templates` are given): the kind's
+    schema template with values in their slots; only slot positions are fillable, as in
+    template infilling at inference.
+    """
+    prompts, answers, fillable = [], [], []
     for doc in docs:
-        answer = [*codec.encode(doc.answer_json())[: window - 1], codec.end_id]
-        answers.append(answer + [codec.end_id] * (window - len(answer)))
+        prompts.append(codec.encode(extraction_prompt(doc.kind, doc.text)))
+        answer = None
+        if templates and float(torch.rand(1, generator=generator)) < template_fraction:
+            template = templates[doc.kind]
+            answer = fill_template(template, doc.fields, codec)
+            if answer is not None:
+                slot_positions = set(template.slot_positions)
+                fillable.append([i in slot_positions for i in range(len(answer))])
+        if answer is None:
+            answer = [*codec.encode(doc.answer_json())[: window - 1], codec.end_id]
+            answer += [codec.end_id] * (window - len(answer))
+            fillable.append([True] * len(answer))
+        answers.append(answer)
+    width = max(len(a) for a in answers)
     prompt_lengths = torch.tensor([len(p) for p in prompts])
-    total = prompt_lengths + window
+    total = prompt_lengths + torch.tensor([len(a) for a in answers])
     tokens = torch.full((len(docs), int(total.max())), codec.end_id, dtype=torch.long)
+    targets = torch.full((len(docs), width), codec.end_id, dtype=torch.long)
+    maskable = torch.zeros(len(docs), width, dtype=torch.bool)
     for row, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
         tokens[row, : len(prompt)] = torch.tensor(prompt)
-        tokens[row, len(prompt): len(prompt) + window] = torch.tensor(answer)
+        tokens[row, len(prompt): len(prompt) + len(answer)] = torch.tensor(answer)
+        targets[row, : len(answer)] = torch.tensor(answer)
+        maskable[row, : len(answer)] = torch.tensor(fillable[row])
     # LLaDA's p_mask = (1 - eps) t + eps keeps 1/t bounded.
     t = torch.rand(len(docs), generator=generator)
     p_mask = (1 - 1e-3) * t + 1e-3
-    masked = torch.rand(len(docs), window, generator=generator) < p_mask[:, None]
-    positions = prompt_lengths[:, None] + torch.arange(window)
+    masked = (torch.rand(len(docs), width, generator=generator) < p_mask[:, None]) & maskable
+    positions = (prompt_lengths[:, None] + torch.arange(width)).clamp(max=tokens.shape[1] - 1)
     rows = torch.arange(len(docs))[:, None]
-    targets = tokens[rows, positions].clone()
     noisy = tokens.clone()
-    noisy[rows, positions] = torch.where(masked, torch.full_like(targets, codec.mask_id), targets)
-    return noisy, total, prompt_lengths, targets, masked, p_mask
+    noisy[rows, positions] = torch.where(masked, torch.full_like(targets, codec.mask_id), tokens[rows, positions])
+    return DiffusionBatch(noisy, total, prompt_lengths, targets, masked, p_mask, maskable)
 
 
-def diffusion_loss(model: Transformer, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, dict]:
-    noisy, total, prompt_lengths, targets, masked, p_mask = batch
-    window = targets.shape[1]
-    logits = window_logits(model(noisy, valid_lengths=total), prompt_lengths, window, model.config.logits_shift)
-    losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none").view_as(targets)
-    weighted = (losses * masked / p_mask[:, None]).sum() / (len(targets) * window)
-    plain = (losses * masked).sum() / masked.sum().clamp(min=1)
+def diffusion_loss(model: Transformer, batch: DiffusionBatch) -> tuple[torch.Tensor, dict]:
+    """LLaDA's objective: cross-entropy on masked positions weighted by 1/t, per fillable position."""
+    width = batch.targets.shape[1]
+    logits = model(batch.noisy, valid_lengths=batch.total)
+    logits = window_logits(logits, batch.prompt_lengths, width, model.config.logits_shift)
+    losses = F.cross_entropy(logits.flatten(0, 1).float(), batch.targets.flatten(), reduction="none")
+    losses = losses.view_as(batch.targets)
+    weighted = (losses * batch.masked / batch.p_mask[:, None]).sum() / batch.maskable.sum().clamp(min=1)
+    plain = (losses * batch.masked).sum() / batch.masked.sum().clamp(min=1)
     return weighted, {"answer_loss": float(plain.detach())}
 
 
@@ -230,6 +265,7 @@ def train(settings: TrainSettings, run_dir: Path, export_dir: Path, tokenizer_pa
         generator.set_state(state["generator"])
     (run_dir / "settings.json").write_text(json.dumps(asdict(settings), indent=2) + "\n")
     validation = documents("validation", settings.eval_documents)
+    templates = {kind: build_template(schema_for(kind), codec, codec.mask_id) for kind in KINDS}
     batches = _batches(settings, data_index)
     log = log_path.open("a")
     recent: list[float] = []
@@ -240,7 +276,8 @@ def train(settings: TrainSettings, run_dir: Path, export_dir: Path, tokenizer_pa
             group["lr"] = learning_rate_at(step, settings)
         model.train()
         if settings.kind == "diffusion":
-            loss, parts = diffusion_loss(model, diffusion_batch(docs, codec, ANSWER_WINDOW, generator))
+            batch = diffusion_batch(docs, codec, ANSWER_WINDOW, generator, templates, settings.template_fraction)
+            loss, parts = diffusion_loss(model, batch)
         else:
             loss, parts = ar_loss(model, ar_batch(docs, codec, settings.document_loss_weight))
         optimizer.zero_grad(set_to_none=True)

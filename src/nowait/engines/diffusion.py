@@ -16,8 +16,10 @@ def window_logits(logits: Tensor, window_start: Tensor, window: int, shift: bool
     """The logits that predict each answer-window position, [B, window, vocab].
 
     With Dream's shift (a model adapted from an AR one) position p is predicted at p - 1.
+    Rows whose window ends before `window` read clamped (meaningless) logits past their end.
     """
     index = window_start[:, None] + torch.arange(window, device=logits.device) - int(shift)
+    index = index.clamp(max=logits.shape[1] - 1)
     return logits.gather(1, index[:, :, None].expand(-1, -1, logits.shape[-1]))
 
 
