@@ -12,9 +12,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from nowait import paths
+from nowait.bench import bench_app
 
 app = typer.Typer(help="nowait: route each request to the engine that pays, and plan the fleet.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
+app.add_typer(bench_app, name="bench")
 console = Console()
 err_console = Console(stderr=True)
 
@@ -32,7 +34,7 @@ class TrainKind(str, Enum):
 
 def fail(message: str) -> None:
     """One clear line on stderr and a non-zero exit; no traceback."""
-    err_console.print(f"[red]error:[/red] {message}", highlight=False)
+    typer.echo(f"error: {message}", err=True)  # plain: a wrapped line is two lines to a script
     raise typer.Exit(code=2)
 
 
@@ -111,7 +113,7 @@ def evaluate(
     """Decode N held-out documents and score the JSON: field and document accuracy, validity."""
     import torch
 
-    from nowait.evaluation import ENGINES, run_eval
+    from nowait.evaluation import ENGINES, check_engine, run_eval
 
     if engine not in ENGINES:
         fail(f"unknown engine {engine!r}; choose one of: {', '.join(ENGINES)}")
@@ -122,6 +124,10 @@ def evaluate(
     if threads:
         torch.set_num_threads(threads)
     loaded = _load_model(model or engine, engine)
+    try:
+        check_engine(loaded.model, engine)
+    except ValueError as error:
+        fail(str(error))
     columns = [TextColumn(f"[bold]eval {engine}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TimeRemainingColumn()]
     with Progress(*columns, console=err_console, transient=as_json) as progress:

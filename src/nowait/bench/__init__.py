@@ -1,0 +1,7 @@
+"""`nowait bench`: measurements printed side by side from one run (never timed assertions)."""
+
+from __future__ import annotations
+
+import typer
+
+bench_app = typer.Typer(help="Measure engines, batching and the gateway on this machine.", no_args_is_help=True)

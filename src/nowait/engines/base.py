@@ -1,0 +1,119 @@
+"""What every engine takes and returns: one request shape, one Completion record.
+
+The AR engine, the diffusion engine and remote upstreams all return `Completion`, so the router,
+the gateway, the cost ledger and the benchmark read one record whatever produced it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+class InvalidRequestError(ValueError):
+    """A request an engine refuses before any work: the message names the bad parameter."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0  # 0: greedy (argmax)
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def validate(self) -> None:
+        if self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}")
+
+
+@dataclass
+class GenerationRequest:
+    """One prompt to complete. `schema` asks for JSON valid for that JSON Schema; `options`
+    carries engine-specific settings (diffusion: policy, tau, block, cache)."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    schema: dict | None = None
+    options: dict = field(default_factory=dict)
+    request_id: str = ""
+    arrival_time: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Timings:
+    """Seconds from the request's arrival: admitted to a batch, first token out, done."""
+
+    queued_s: float = 0.0
+    first_token_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclass
+class Completion:
+    """The record every engine returns.
+
+    `confidence` summarizes `token_confidences` into one number the router compares with its
+    fallback threshold; `confidence_kind` says how (e.g. "min_token_probability": one unsure
+    value is enough to make an extraction wrong, so the minimum, not the mean, is the signal).
+    """
+
+    request_id: str
+    engine: str
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    token_confidences: list[float] = field(default_factory=list)
+    confidence: float = 1.0
+    confidence_kind: str = "min_token_probability"
+    forwards: int = 0
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0
+    timings: Timings = field(default_factory=Timings)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.completion_tokens / self.forwards if self.forwards else 0.0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        if not self.draft_tokens_proposed:
+            return None
+        return self.draft_tokens_accepted / self.draft_tokens_proposed
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """Text committed since the previous chunk; the last chunk carries the Completion."""
+
+    text: str
+    token_ids: list[int]
+    completion: Completion | None = None
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """An engine completes batches of requests and can stream one."""
+
+    name: str
+    kind: str  # "ar" | "diffusion" | "remote"
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Completion]: ...
+
+    def stream(self, request: GenerationRequest) -> Iterator[StreamChunk]: ...

@@ -1,0 +1,102 @@
+"""The command line: eval's JSON, extract's output, and one clear line for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from nowait.checkpoints import save_pretrained
+from nowait.cli import app
+
+from .conftest import build_model
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoints(tmp_path_factory, codec):
+    """A tiny random AR and diffusion checkpoint in the Hugging Face layout."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    ar = save_pretrained(build_model(vocab_size=codec.vocab_size), codec, root / "ar")
+    diffusion = save_pretrained(build_model(vocab_size=codec.vocab_size, causal=False, logits_shift=True,
+                                            mask_token_id=codec.mask_id), codec, root / "diffusion")
+    return {"ar": ar, "diffusion": diffusion}
+
+
+def assert_one_clear_line(result, *fragments: str) -> None:
+    assert result.exit_code != 0
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1, result.output
+    assert "Traceback" not in result.output
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("engine", ["ar", "diffusion"])
+def test_eval_prints_one_json_object_with_the_metrics(tiny_checkpoints, engine):
+    result = runner.invoke(app, ["eval", "--engine", engine, "--n", "3", "--split", "test", "--json",
+                                 "--model", str(tiny_checkpoints[engine])])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output.strip().splitlines()[-1])
+    for key in ("field_accuracy", "doc_accuracy", "json_valid_rate", "n", "settings", "per_kind"):
+        assert key in report
+    assert report["n"] == 3 and report["settings"]["engine"] == engine
+    assert 0.0 <= report["field_accuracy"] <= 1.0
+
+
+def test_eval_fresh_seed_is_recorded(tiny_checkpoints):
+    result = runner.invoke(app, ["eval", "--n", "2", "--seed", "11", "--json", "--model", str(tiny_checkpoints["ar"])])
+    assert result.exit_code == 0, result.output
+    settings = json.loads(result.output.strip().splitlines()[-1])["settings"]
+    assert settings["seed"] == 11 and settings["split"] is None
+
+
+def test_extract_reports_how_the_answer_was_made(tiny_checkpoints, tmp_path):
+    document = tmp_path / "form.txt"
+    document.write_text("KYC ONBOARDING FORM\nFull name: Ada Okafor\nNationality: NG\n")
+    result = runner.invoke(app, ["extract", str(document), "--json", "--model", str(tiny_checkpoints["ar"])])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output.strip().splitlines()[-1])
+    assert report["kind"] == "kyc" and report["engine"] == "ar"
+    assert report["forwards"] >= 1 and report["prompt_tokens"] > 10
+
+
+def test_unknown_engine(tiny_checkpoints):
+    result = runner.invoke(app, ["eval", "--engine", "gpt", "--model", str(tiny_checkpoints["ar"])])
+    assert_one_clear_line(result, "unknown engine", "gpt")
+
+
+def test_engine_that_cannot_run_the_model(tiny_checkpoints):
+    result = runner.invoke(app, ["eval", "--engine", "diffusion", "--n", "1", "--model", str(tiny_checkpoints["ar"])])
+    assert_one_clear_line(result, "causal")
+
+
+def test_extract_missing_file(tiny_checkpoints, tmp_path):
+    result = runner.invoke(app, ["extract", str(tmp_path / "nope.txt"), "--model", str(tiny_checkpoints["ar"])])
+    assert_one_clear_line(result, "no such file")
+
+
+def test_extract_empty_document(tiny_checkpoints, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n\n")
+    result = runner.invoke(app, ["extract", str(empty), "--model", str(tiny_checkpoints["ar"])])
+    assert_one_clear_line(result, "empty")
+
+
+def test_extract_over_long_document(tiny_checkpoints, tmp_path):
+    long_document = tmp_path / "long.txt"
+    long_document.write_text("Full name: Ada Okafor\n" * 200)
+    result = runner.invoke(app, ["extract", str(long_document), "--model", str(tiny_checkpoints["ar"])])
+    assert_one_clear_line(result, "tokens", "at most")
+
+
+def test_missing_model_directory(tmp_path):
+    result = runner.invoke(app, ["eval", "--model", str(tmp_path / "missing")])
+    assert_one_clear_line(result, "no such checkpoint directory")
+
+
+def test_unknown_split(tiny_checkpoints):
+    result = runner.invoke(app, ["eval", "--split", "train", "--model", str(tiny_checkpoints["ar"])])
+    assert_one_clear_line(result, "unknown split")
