@@ -13,10 +13,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from nowait import paths
 from nowait.bench import bench_app
+from nowait.planner.cli import register as register_plan
 
 app = typer.Typer(help="nowait: route each request to the engine that pays, and plan the fleet.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 app.add_typer(bench_app, name="bench")
+register_plan(app)
 console = Console()
 err_console = Console(stderr=True)
 
@@ -106,14 +108,19 @@ def evaluate(
     seed: int = typer.Option(None, help="a fresh sample of the same distribution, never seen in training"),
     model: str = typer.Option(None, help="checkpoint directory (default: the bundled model of the engine)"),
     batch_size: int = typer.Option(32),
-    block: int = typer.Option(32, help="diffusion block length"),
+    policy: str = typer.Option(None, help="diffusion: fixed (LLaDA), threshold or factor (Fast-dLLM); "
+                                          "default: the engine's fast default"),
+    tau: float = typer.Option(None, help="diffusion threshold policy: commit positions at least this sure, in (0, 1]"),
+    block: int = typer.Option(None, help="diffusion block length in tokens (default: the engine's)"),
+    cache: str = typer.Option(None, help="diffusion cache: none, prompt, prefix or dual"),
+    structured: bool = typer.Option(False, "--structured", help="fill the document kind's JSON Schema template"),
     threads: int = typer.Option(None, help="CPU threads (default: torch's choice)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
-    """Decode N held-out documents and score the JSON: field and document accuracy, validity."""
+    """Decode N held-out documents and score the JSON: accuracy, validity, forwards and latency."""
     import torch
 
-    from nowait.evaluation import ENGINES, check_engine, run_eval
+    from nowait.evaluation import ENGINES, check_engine, diffusion_options, run_eval
 
     if engine not in ENGINES:
         fail(f"unknown engine {engine!r}; choose one of: {', '.join(ENGINES)}")
@@ -121,6 +128,20 @@ def evaluate(
         fail(f"unknown split {split!r}; choose validation or test (or give --seed)")
     if n < 1:
         fail("--n must be at least 1")
+    if batch_size < 1:
+        fail("--batch-size must be at least 1")
+    diffusion_flags = {"--policy": policy, "--tau": tau, "--block": block, "--cache": cache}
+    if engine == "ar":
+        given = [flag for flag, value in diffusion_flags.items() if value is not None]
+        if given:
+            fail(f"{', '.join(given)} apply to --engine diffusion only")
+        if structured:
+            fail("--structured is not available for --engine ar yet")
+    else:
+        try:
+            diffusion_options(policy, tau, block, cache)
+        except ValueError as error:
+            fail(str(error))
     if threads:
         torch.set_num_threads(threads)
     loaded = _load_model(model or engine, engine)
@@ -134,8 +155,8 @@ def evaluate(
         task = progress.add_task("eval", total=n)
         try:
             result = run_eval(loaded.model, loaded.codec, engine, n, split=split, seed=seed,
-                              batch_size=batch_size, block=block,
-                              on_batch=lambda k: progress.advance(task, k))
+                              batch_size=batch_size, block=block, policy=policy, tau=tau, cache=cache,
+                              structured=structured, on_batch=lambda k: progress.advance(task, k))
         except ValueError as error:
             fail(str(error))
     result["settings"]["model"] = str(loaded.path)
@@ -156,7 +177,9 @@ def _print_eval_table(result: dict) -> None:
         table.add_row(kind, str(m["n"]), f"{m['field_accuracy']:.3f}", f"{m['present_field_accuracy']:.3f}",
                       f"{m['doc_accuracy']:.3f}", f"{m['json_valid_rate']:.3f}")
     console.print(table)
-    console.print(f"{result['settings']['decoding']}; {result['elapsed_s']} s", highlight=False)
+    console.print(f"{result['settings']['decoding']}; {result['elapsed_s']} s; "
+                  f"{result['forwards_per_doc']} forwards/doc, {result['tokens_per_forward']} tokens/forward, "
+                  f"latency p50 {result['latency_ms_p50']} ms, p95 {result['latency_ms_p95']} ms", highlight=False)
 
 
 @app.command()

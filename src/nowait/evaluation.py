@@ -1,8 +1,10 @@
 """Extraction with the demo decoders and its evaluation on held-out documents.
 
-Decoding here is the simple, correct kind: greedy AR with the KV cache, and LLaDA's reference
-schedule (one token committed per forward) for diffusion. The engines make them fast; this
-module is the yardstick they are checked against.
+Training's periodic evaluation decodes the simple, correct way: greedy AR with the KV cache,
+and LLaDA's reference schedule (one token committed per forward) for diffusion; that is the
+yardstick. `nowait eval` measures an engine as served: AR greedy with the KV cache, or the
+diffusion engine with its policy, block, cache and (optionally) schema-template infilling,
+adding forwards, tokens per forward and per-document latency to the accuracy.
 """
 
 from __future__ import annotations
@@ -10,17 +12,23 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import numpy as np
 
 from nowait.engines.autoregressive import greedy_decode
+from nowait.engines.base import GenerationRequest, SamplingParams
 from nowait.engines.diffusion import reference_decode
-from nowait.extraction.corpus import KINDS, Document, documents
+from nowait.engines.diffusion_engine import DiffusionEngine
+from nowait.engines.diffusion_request import DiffusionOptions
+from nowait.extraction.corpus import KINDS, Document, documents, schema_for
 from nowait.extraction.scorer import parse_json_object, schema_valid, score_document, summarize
 from nowait.model import Transformer
 from nowait.tokenizer import TextCodec, extraction_prompt
 
 ANSWER_WINDOW = 160  # longest answer (~130 tokens) + end, as 5 diffusion blocks of 32
 DIFFUSION_BLOCK = 32
+TEMPLATE_MAX_TOKENS = 512  # template mode: the window is the template (166-227 tokens here)
 ENGINES = ("ar", "diffusion")
 
 
@@ -64,20 +72,119 @@ def evaluate_model(model: Transformer, codec: TextCodec, docs: list[Document], *
     return summarize(score_document(text, d.fields, d.kind) for text, d in zip(texts, docs, strict=True))
 
 
+@dataclass(frozen=True)
+class DecodeRecord:
+    """One document as an engine served it."""
+
+    text: str
+    forwards: int
+    completion_tokens: int
+    latency_s: float
+
+
+def decode_records(model: Transformer, codec: TextCodec, engine: str, docs: list[Document], batch_size: int = 32,
+                   diffusion: DiffusionOptions | None = None, structured: bool = False,
+                   on_batch: Callable[[int], None] | None = None) -> list[DecodeRecord]:
+    """Decode `docs` with an engine, `batch_size` at a time, keeping each one's cost.
+
+    AR: greedy with the KV cache; every document of a batch is charged the batch's forwards and
+    wall time. Diffusion: the engine with `diffusion` options, each document's own forwards and
+    latency from its Completion (at batch size 1, both are that document's alone).
+    """
+    if structured and engine != "diffusion":
+        raise ValueError("structured (schema-constrained) decoding is not available for the AR engine yet")
+    records: list[DecodeRecord] = []
+    diffusion_engine = (DiffusionEngine(model, codec, diffusion or DiffusionOptions(), max_batch=batch_size)
+                        if engine == "diffusion" else None)
+    for start in range(0, len(docs), batch_size):
+        chunk = docs[start: start + batch_size]
+        prompts = [codec.encode(extraction_prompt(d.kind, d.text)) for d in chunk]
+        if diffusion_engine is None:
+            stats: dict = {}
+            started = time.perf_counter()
+            outputs = greedy_decode(model, prompts, ANSWER_WINDOW, codec.end_id, stats=stats)
+            elapsed = time.perf_counter() - started
+            records.extend(DecodeRecord(codec.decode(ids), stats["forwards"], len(ids), elapsed) for ids in outputs)
+        else:
+            max_tokens = TEMPLATE_MAX_TOKENS if structured else ANSWER_WINDOW
+            requests = [GenerationRequest(prompt, SamplingParams(max_tokens=max_tokens),
+                                          schema=schema_for(d.kind) if structured else None)
+                        for prompt, d in zip(prompts, chunk, strict=True)]
+            for completion in diffusion_engine.generate(requests):
+                records.append(DecodeRecord(completion.text, completion.forwards, completion.completion_tokens,
+                                            completion.timings.total_s))
+        if on_batch:
+            on_batch(len(chunk))
+    return records
+
+
+def speed_summary(records: list[DecodeRecord]) -> dict[str, float]:
+    """forwards_per_doc, tokens_per_forward (all answer tokens over all forwards) and the
+    per-document latency percentiles."""
+    forwards = sum(r.forwards for r in records)
+    latencies = np.array([r.latency_s for r in records]) * 1000
+    return {
+        "forwards_per_doc": round(forwards / max(len(records), 1), 2),
+        "tokens_per_forward": round(sum(r.completion_tokens for r in records) / max(forwards, 1), 3),
+        "latency_ms_p50": round(float(np.percentile(latencies, 50)), 2) if len(records) else 0.0,
+        "latency_ms_p95": round(float(np.percentile(latencies, 95)), 2) if len(records) else 0.0,
+    }
+
+
+def describe_decoding(engine: str, options: DiffusionOptions | None, structured: bool) -> str:
+    if engine == "ar":
+        return "greedy, KV cache"
+    o = options or DiffusionOptions()
+    rule = {"fixed": f"fixed {'1 token' if o.steps is None else f'{o.steps} steps'} per "
+                     f"{'step' if o.steps is None else 'block'} (LLaDA)",
+            "threshold": f"threshold tau={o.tau} (Fast-dLLM)", "factor": f"factor {o.factor} (Fast-dLLM)"}[o.policy]
+    block = o.template_block if structured else o.block
+    return (f"{rule}, score {o.score}, block {block or 'whole window'}, cache {o.cache}, "
+            + ("schema template" if structured else f"free-form window {ANSWER_WINDOW}"))
+
+
+def evaluate_engine(model: Transformer, codec: TextCodec, engine: str, docs: list[Document], batch_size: int = 32,
+                    diffusion: DiffusionOptions | None = None, structured: bool = False,
+                    on_batch: Callable[[int], None] | None = None) -> dict:
+    """Accuracy (the scorer's summary) plus the speed fields, for one engine configuration."""
+    check_engine(model, engine)
+    model.eval()
+    started = time.perf_counter()
+    records = decode_records(model, codec, engine, docs, batch_size, diffusion, structured, on_batch)
+    elapsed = time.perf_counter() - started
+    metrics = summarize(score_document(r.text, d.fields, d.kind) for r, d in zip(records, docs, strict=True))
+    return {**metrics, **speed_summary(records), "elapsed_s": round(elapsed, 2)}
+
+
+def diffusion_options(policy: str | None = None, tau: float | None = None, block: int | None = None,
+                      cache: str | None = None, base: DiffusionOptions | None = None) -> DiffusionOptions:
+    """The engine defaults with the given settings replaced (a given block applies to both
+    free-form and template mode). Raises InvalidRequestError (a ValueError) if invalid."""
+    o = base or DiffusionOptions()
+    changes = {k: v for k, v in {"policy": policy, "tau": tau, "cache": cache}.items() if v is not None}
+    if block is not None:
+        changes.update(block=block, template_block=block)
+    o = replace(o, **changes)
+    o.validate()
+    return o
+
+
 def run_eval(model: Transformer, codec: TextCodec, engine: str, n: int, split: str = "test",
-             seed: int | None = None, batch_size: int = 32, block: int = DIFFUSION_BLOCK,
-             on_batch: Callable[[int], None] | None = None) -> dict:
+             seed: int | None = None, batch_size: int = 32, block: int | None = None,
+             on_batch: Callable[[int], None] | None = None, policy: str | None = None,
+             tau: float | None = None, cache: str | None = None, structured: bool = False) -> dict:
     """`nowait eval`: metrics on n held-out documents plus the settings that produced them."""
     check_engine(model, engine)
+    options = diffusion_options(policy, tau, block, cache) if engine == "diffusion" else None
     docs = documents(split, n, seed=seed)
-    started = time.perf_counter()
-    metrics = evaluate_model(model, codec, docs, batch_size=batch_size, block=block, on_batch=on_batch)
-    elapsed = time.perf_counter() - started
+    result = evaluate_engine(model, codec, engine, docs, batch_size, options, structured, on_batch)
     settings = {"engine": engine, "split": None if seed is not None else split, "seed": seed,
-                "batch_size": batch_size,
-                "decoding": "greedy, KV cache" if engine == "ar" else
-                            f"LLaDA reference schedule, 1 token per forward, block {block}, window {ANSWER_WINDOW}"}
-    return {**metrics, "settings": settings, "elapsed_s": round(elapsed, 2)}
+                "batch_size": batch_size, "structured": structured,
+                "decoding": describe_decoding(engine, options, structured)}
+    if options is not None:
+        settings.update(policy=options.policy, tau=options.tau, block=options.template_block if structured
+                        else options.block, cache=options.cache, score=options.score)
+    return {**result, "settings": settings}
 
 
 # --- one document, for `nowait extract` ---

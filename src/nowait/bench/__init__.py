@@ -5,3 +5,6 @@ from __future__ import annotations
 import typer
 
 bench_app = typer.Typer(help="Measure engines, batching and the gateway on this machine.", no_args_is_help=True)
+
+# Commands register themselves on bench_app when their module is imported.
+from nowait.bench import batching, engines  # noqa: E402, F401

@@ -1,14 +1,34 @@
 """Autoregressive decoding with the KV cache.
 
-This module holds the simple, correct greedy decoder the evaluation and training use; the
-serving engine (continuous batching, sampling, speculative decoding) builds on it.
+`greedy_decode` is the simple, correct batched decoder the evaluation and training use.
+`AutoregressiveEngine` is the serving engine, split as nano-vllm splits it: the scheduler
+(`scheduler.py`) picks each step's sequences, the sequence (`sequence.py`) holds a request's
+state, the model runner (`runner.py`) owns the cache rows and runs the forwards, and the
+policies are pure functions (`sampling.py`, `grammar.py`). The speculative engine
+(`speculative.py`) replaces only the decode step.
 """
 
 from __future__ import annotations
 
-import torch
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import torch
+from torch import Tensor
+
+from nowait.engines.base import Completion, GenerationRequest, InvalidRequestError, StreamChunk
+from nowait.engines.runner import CachePool, ModelRunner
+from nowait.engines.sampling import SamplingBatch, choose_tokens, mask_logits, token_probability
+from nowait.engines.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from nowait.engines.sequence import Sequence
 from nowait.model import KVCache, Transformer
+from nowait.tokenizer import TextCodec
+
+if TYPE_CHECKING:  # llguidance is imported only by engines that constrain output
+    from nowait.engines.grammar import GrammarCompiler
 
 
 @torch.no_grad()
@@ -44,3 +64,209 @@ def greedy_decode(model: Transformer, prompts: list[list[int]], max_new_tokens: 
     if stats is not None:
         stats["forwards"] = forwards
     return outputs
+
+
+# --- the serving engine: continuous batching over the KV cache ---
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Caps of the continuous-batching engine (see `nowait.engines.scheduler`).
+
+    `max_model_len`: prompt + output tokens one sequence may hold (default: the model's
+    `max_position`); each cache row is sized for it, so memory is rows x max_model_len.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None
+    max_waiting: int | None = None
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_waiting)
+
+
+class AutoregressiveEngine:
+    """AR generation with continuous batching: `generate` a list, `stream` one, or drive it
+    yourself with `submit` and `step`.
+
+    Per request: greedy or sampled (temperature, top-k, top-p, a seed of its own), stop tokens
+    (the model's end token always stops), `max_tokens`, and `schema` for JSON valid for that
+    JSON Schema (needs a `GrammarCompiler`). Not thread-safe: one loop drives it.
+    """
+
+    name = "ar"
+    kind = "ar"
+
+    def __init__(self, model: Transformer, codec: TextCodec | None = None, config: EngineConfig | None = None,
+                 *, end_id: int | None = None, grammar: GrammarCompiler | None = None) -> None:
+        if not model.config.causal:
+            raise ValueError("the AR engine needs a causal model; this one is bidirectional (diffusion)")
+        if codec is None and end_id is None:
+            raise ValueError("give a codec or an end_id")
+        self.model = model.eval()
+        self.codec = codec
+        self.end_id = codec.end_id if end_id is None else end_id
+        self.config = config or EngineConfig()
+        self.max_model_len = self.config.max_model_len or model.config.max_position
+        self.grammar = grammar
+        self.scheduler = Scheduler(self.config.scheduler_config())
+        self.pool = CachePool(self._cached_models(), self.config.max_num_seqs,
+                              self.max_model_len + self._lookahead())
+        self.runner = ModelRunner(model, self.pool, 0, pad_id=self.end_id)
+        self.vocab_size = model.config.vocab_size
+        self.steps = {"prefill": 0, "decode": 0}
+        self._next_seq_id = 0
+        self._completed: dict[int, Completion] = {}
+        self._seed_source = random.Random()
+
+    # --- hooks the speculative engine overrides ---
+
+    def _cached_models(self) -> list[Transformer]:
+        return [self.model]
+
+    def _lookahead(self) -> int:
+        """Extra cache slots per row beyond max_model_len (speculative verify writes ahead)."""
+        return 1
+
+    # --- requests in ---
+
+    def validate(self, request: GenerationRequest) -> None:
+        """Refuse a request before any work, naming the bad parameter."""
+        request.sampling.validate()
+        if not request.prompt_ids:
+            raise InvalidRequestError("prompt_ids is empty: the model needs at least one token to continue")
+        if len(request.prompt_ids) >= self.max_model_len:
+            raise InvalidRequestError(f"the prompt is {len(request.prompt_ids)} tokens; this engine holds at most "
+                                      f"{self.max_model_len} per sequence, output included")
+        bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt_ids holds ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        bad = [t for t in request.sampling.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"stop_token_ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if request.schema is not None and self.grammar is None:
+            raise InvalidRequestError("schema: this engine was built without a grammar compiler")
+
+    def submit(self, request: GenerationRequest) -> Sequence:
+        self.validate(request)
+        matcher = self.grammar.matcher(request.schema) if request.schema is not None else None
+        sampling = request.sampling
+        generator = None
+        if sampling.temperature > 0:
+            generator = torch.Generator()
+            generator.manual_seed(sampling.seed if sampling.seed is not None else self._seed_source.getrandbits(63))
+        seq = Sequence(self._next_seq_id, request, frozenset({self.end_id, *sampling.stop_token_ids}),
+                       self.max_model_len, generator, matcher)
+        self._next_seq_id += 1
+        self.scheduler.add(seq)
+        return seq
+
+    # --- the loop ---
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[Sequence]:
+        """Run one scheduled forward; returns the sequences that finished in it."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        if batch.kind == "prefill":
+            self._run_prefill(batch)
+        else:
+            self._run_decode(batch)
+        self.steps[batch.kind] += 1
+        finished = [s for s in batch.seqs if s.is_finished]
+        self._retire(finished)
+        return finished
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
+        for request in requests:  # refuse the batch before any work if one request is bad
+            self.validate(request)
+        seqs = [self.submit(r) for r in requests]
+        while not all(s.is_finished for s in seqs):
+            self.step()
+        return [self._completed.pop(s.seq_id) for s in seqs]
+
+    def stream(self, request: GenerationRequest) -> Iterator[StreamChunk]:
+        """Chunks of newly committed text as steps run (other requests in the engine advance
+        too); the last chunk carries the Completion. Text ending in an incomplete UTF-8
+        character is held back until the character is whole."""
+        seq = self.submit(request)
+        sent_tokens, sent_text = 0, ""
+        while True:
+            if not seq.is_finished:
+                self.step()
+            if seq.is_finished:
+                completion = self._completed.pop(seq.seq_id)
+                yield StreamChunk(completion.text[len(sent_text):], seq.output_ids[sent_tokens:], completion)
+                return
+            if len(seq.output_ids) > sent_tokens:
+                text = self._decode_text(seq.output_ids)
+                if not text.endswith("\ufffd"):
+                    yield StreamChunk(text[len(sent_text):], seq.output_ids[sent_tokens:])
+                    sent_tokens, sent_text = len(seq.output_ids), text
+
+    # --- one step ---
+
+    def _run_prefill(self, batch: ScheduledBatch) -> None:
+        now = time.perf_counter()
+        for seq in batch.seqs:
+            if seq.row < 0:
+                self.pool.allocate(seq)
+                seq.admitted_time = now
+        starts = [s.num_cached for s in batch.seqs]
+        chunks = [s.prompt_ids[start: start + n] for s, start, n in zip(batch.seqs, starts, batch.chunks, strict=True)]
+        logits = self.runner.extend(batch.seqs, starts, chunks)
+        for seq, n in zip(batch.seqs, batch.chunks, strict=True):
+            seq.num_cached += n
+            seq.forwards += 1
+        done = [i for i, s in enumerate(batch.seqs) if not s.is_prefilling]
+        if done:
+            self._sample_and_append([batch.seqs[i] for i in done], logits[done])
+
+    def _run_decode(self, batch: ScheduledBatch) -> None:
+        seqs = self._rows(batch)
+        logits = self.runner.forward_rows([[s.last_token] for s in seqs])[:, -1]
+        for seq in seqs:
+            seq.num_cached += 1
+            seq.forwards += 1
+        self._sample_and_append(seqs, logits)
+
+    def _rows(self, batch: ScheduledBatch) -> list[Sequence]:
+        """The decode batch in cache-row order (a decode step runs over every occupied row)."""
+        if len(batch.seqs) != self.pool.used:
+            raise RuntimeError("decode batch and cache rows disagree")
+        return list(self.pool.owners)
+
+    def _apply_grammar(self, seqs: list[Sequence], logits: Tensor) -> Tensor:
+        """Logits with each constrained row's forbidden tokens at -inf (a copy when any)."""
+        if not any(s.matcher is not None for s in seqs):
+            return logits
+        logits = logits.clone()
+        for row, seq in enumerate(seqs):
+            if seq.matcher is not None:
+                mask_logits(logits[row], seq.matcher.allowed())
+                seq.grammar_mask_s = seq.matcher.mask_seconds
+        return logits
+
+    def _sample_and_append(self, seqs: list[Sequence], logits: Tensor) -> None:
+        params = SamplingBatch.from_params([s.request.sampling for s in seqs])
+        constrained = self._apply_grammar(seqs, logits)
+        tokens = choose_tokens(constrained, params, [s.generator for s in seqs])
+        confidences = token_probability(logits, tokens).tolist()
+        now = time.perf_counter()
+        for seq, token, confidence in zip(seqs, tokens.tolist(), confidences, strict=True):
+            seq.append_token(token, confidence, now)
+
+    def _retire(self, finished: list[Sequence]) -> None:
+        if not finished:
+            return
+        self.scheduler.retire(finished)
+        for seq in finished:
+            self.pool.release(seq)
+            self._completed[seq.seq_id] = seq.to_completion(self.name, self._decode_text(seq.output_ids))
+
+    def _decode_text(self, ids: list[int]) -> str:
+        return self.codec.decode(ids) if self.codec is not None else ""

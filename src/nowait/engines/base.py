@@ -53,11 +53,13 @@ class GenerationRequest:
 
 @dataclass
 class Timings:
-    """Seconds from the request's arrival: admitted to a batch, first token out, done."""
+    """Seconds from the request's arrival: admitted to a batch, first token out, done; plus the
+    seconds of grammar-mask work inside that time."""
 
     queued_s: float = 0.0
     first_token_s: float = 0.0
     total_s: float = 0.0
+    grammar_mask_s: float = 0.0  # time spent computing grammar token masks (constrained decoding)
 
 
 @dataclass
@@ -81,6 +83,7 @@ class Completion:
     forwards: int = 0
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
+    draft_forwards: int = 0  # forwards of a speculative draft model (not counted in `forwards`)
     timings: Timings = field(default_factory=Timings)
 
     @property

@@ -1,7 +1,8 @@
 """Masked-diffusion decoding.
 
-This module holds the reference sampler the evaluation and training use; the serving engine
-(parallel commit policies, caches, batching, template infilling) builds on it.
+This module holds the reference sampler training's evaluation uses and the two helpers the
+engine shares with it; the serving engine (parallel commit policies, caches, batching, template
+infilling) is `diffusion_engine.DiffusionEngine` (see docs/engines-diffusion.md).
 """
 
 from __future__ import annotations

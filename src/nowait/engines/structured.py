@@ -6,6 +6,11 @@ bounded width per property. A slot holds the property's JSON value (quotes inclu
 structure is right by construction and each value is written in parallel with the others.
 The demo diffusion model is trained on this layout (and on free-form JSON), so it has learned
 to pad a slot with end tokens.
+
+`compile_template` adds one `SlotAutomaton` per slot: the regular language of the JSON texts
+valid for the property's schema (type, enum, const, pattern, length, date format), so the engine
+can let only tokens that keep the slot completable into each masked position. The output is
+then valid for the schema by construction, whatever the model proposes.
 """
 
 from __future__ import annotations
@@ -13,6 +18,21 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from nowait.engines.token_automaton import (
+    Node,
+    PatternError,
+    SlotAutomaton,
+    alt,
+    char_set,
+    compile_language,
+    json_string_char,
+    json_string_pattern,
+    literal,
+    parse_regex,
+    rep,
+    seq,
+    token_byte_strings,
+)
 from nowait.tokenizer import TextCodec
 
 # Slot widths in tokens. Under the demo tokenizer digits are single tokens, so a quoted ISO
@@ -53,19 +73,25 @@ def _types(schema: dict) -> list[str]:
 def slot_width(schema: dict, codec: TextCodec) -> int:
     """Tokens reserved for one property's value.
 
-    An explicit `x-nowait-slot-tokens` wins; an enum takes its longest option; a date takes a
-    quoted ISO date; `maxLength` bounds a string; otherwise a default per JSON type.
+    An explicit `x-nowait-slot-tokens` wins; an enum (or const) takes its longest option; a
+    date takes a quoted ISO date; `maxLength` bounds a string; otherwise a default per JSON
+    type, widened so that `true`/`false`/`null` fit when the type allows them.
     """
     if "x-nowait-slot-tokens" in schema:
         return int(schema["x-nowait-slot-tokens"])
-    if "enum" in schema:
-        return max(len(codec.encode(json.dumps(option, ensure_ascii=False))) for option in schema["enum"])
+    if "enum" in schema or "const" in schema:
+        options = schema["enum"] if "enum" in schema else [schema["const"]]
+        return max(len(codec.encode(json.dumps(option, ensure_ascii=False))) for option in options)
     if schema.get("format") == "date":
         return DATE_SLOT_WIDTH
     types = [t for t in _types(schema) if t != "null"] or ["null"]
     if types == ["string"] and "maxLength" in schema:
         return int(schema["maxLength"]) + 2
-    return max(SLOT_WIDTH_BY_TYPE.get(t, SLOT_WIDTH_BY_TYPE["string"]) for t in types)
+    width = max(SLOT_WIDTH_BY_TYPE.get(t, SLOT_WIDTH_BY_TYPE["string"]) for t in types)
+    literals = {"boolean": ("true", "false"), "null": ("null",)}
+    for json_type in _types(schema):
+        width = max([width] + [len(codec.encode(word)) for word in literals.get(json_type, ())])
+    return width
 
 
 def build_template(schema: dict, codec: TextCodec, mask_id: int) -> Template:
@@ -114,3 +140,151 @@ def read_template(template: Template, ids: list[int], codec: TextCodec) -> str:
         parts.append(codec.decode(value))
     parts.append(template.pieces[-1])
     return "".join(parts)
+
+
+# --- slot languages: which JSON texts a property's value may be ---
+
+NUMBER = parse_regex(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
+INTEGER = parse_regex(r"-?(0|[1-9][0-9]*)")
+BOOLEAN = alt(literal("true"), literal("false"))
+NULL = literal("null")
+QUOTE = literal('"')
+# Unescaped characters or the short escapes; \\uXXXX is left out (a model has no need of it).
+FREE_STRING = seq(QUOTE, rep(alt(json_string_char(), seq(literal("\\"), char_set('"\\/bfnrt'))), 0, None), QUOTE)
+ISO_DATE = seq(QUOTE, parse_regex(r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"), QUOTE)
+
+# Keywords that only describe; anything else a slot cannot enforce is refused, not ignored.
+ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
+               "writeOnly", "$id", "$schema", "$anchor"}
+SLOT_KEYWORDS = {"type", "enum", "const", "format", "pattern", "minLength", "maxLength", "x-nowait-slot-tokens"}
+OBJECT_KEYWORDS = {"type", "properties", "required", "additionalProperties", "unevaluatedProperties"}
+JSON_TYPES = {"string", "number", "integer", "boolean", "null"}
+
+
+def _matches_type(value: object, json_type: str) -> bool:
+    if json_type == "null":
+        return value is None
+    if json_type == "boolean":
+        return isinstance(value, bool)
+    if json_type == "string":
+        return isinstance(value, str)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return json_type == "number" or float(value).is_integer()
+
+
+def value_language(name: str, schema: dict, max_chars: int) -> Node:
+    """The JSON texts a slot may hold for this property schema.
+
+    `max_chars` bounds what the slot can physically hold; a `maxLength` above it needs no
+    counting states. Raises SchemaTemplateError for a keyword or pattern a slot cannot enforce.
+    """
+    def refuse(why: str) -> SchemaTemplateError:
+        return SchemaTemplateError(f"property {name!r}: {why}")
+
+    unknown = sorted(k for k in schema if k not in SLOT_KEYWORDS | ANNOTATIONS and not k.startswith("x-"))
+    if unknown:
+        raise refuse(f"template slots cannot enforce {', '.join(map(repr, unknown))}")
+    declared = schema.get("type")
+    types = _types(schema) if declared is not None or not {"enum", "const"} & set(schema) else sorted(JSON_TYPES)
+    if not set(types) <= JSON_TYPES:
+        raise refuse(f"unsupported type {declared!r}")
+    if "enum" in schema or "const" in schema:
+        options = schema["enum"] if "enum" in schema else [schema["const"]]
+        if not isinstance(options, list) or any(isinstance(o, dict | list) for o in options):
+            raise refuse("enum options must be scalars")
+        options = [o for o in options if any(_matches_type(o, t) for t in types)]
+        if not options:
+            raise refuse("no enum option matches the declared type")
+        return alt(*(literal(json.dumps(o, ensure_ascii=False)) for o in options))
+    branches = []
+    for json_type in types:
+        if json_type == "string":
+            branches.append(_string_language(schema, max_chars, refuse))
+        elif json_type == "number":
+            branches.append(NUMBER)
+        elif json_type == "integer":
+            branches.append(INTEGER)
+        elif json_type == "boolean":
+            branches.append(BOOLEAN)
+        else:
+            branches.append(NULL)
+    return branches[0] if len(branches) == 1 else alt(*branches)
+
+
+def _string_language(schema: dict, max_chars: int, refuse) -> Node:
+    low = int(schema.get("minLength", 0))
+    high = schema.get("maxLength")
+    bounded = low > 0 or (high is not None and int(high) < max_chars)
+    if "pattern" in schema:
+        if bounded:
+            raise refuse("a pattern together with minLength/maxLength is not supported")
+        try:
+            return seq(QUOTE, json_string_pattern(str(schema["pattern"])), QUOTE)
+        except PatternError as error:
+            raise refuse(str(error)) from None
+    if bounded:
+        # Counted in characters, as JSON Schema counts; escapes are left out here.
+        return seq(QUOTE, rep(json_string_char(), low, None if high is None else int(high)), QUOTE)
+    if schema.get("format") == "date":
+        return ISO_DATE
+    return FREE_STRING
+
+
+@dataclass(frozen=True)
+class ConstrainedTemplate:
+    """A template plus, per slot, the automaton of the token sequences it may hold."""
+
+    template: Template
+    automata: tuple[SlotAutomaton, ...]
+
+
+class TemplateCompiler:
+    """Compiles schemas for one tokenizer, caching token bytes, automata and templates."""
+
+    def __init__(self, codec: TextCodec, mask_id: int) -> None:
+        self.codec, self.mask_id = codec, mask_id
+        special = set(codec.tokenizer.get_added_tokens_decoder()) | {codec.end_id, mask_id}
+        self.token_bytes = token_byte_strings(codec.tokenizer, special)
+        self.longest_token = max(len(b) for b in self.token_bytes if b)
+        self._automata: dict[tuple[Node, int], SlotAutomaton] = {}
+        self._templates: dict[str, ConstrainedTemplate] = {}
+
+    def compile(self, schema: dict) -> ConstrainedTemplate:
+        """Raises SchemaTemplateError when the schema cannot be laid out or enforced."""
+        key = json.dumps(schema, sort_keys=True, default=str)
+        if key not in self._templates:
+            self._templates[key] = self._compile(schema)
+        return self._templates[key]
+
+    def _compile(self, schema: dict) -> ConstrainedTemplate:
+        template = build_template(schema, self.codec, self.mask_id)
+        unknown = sorted(k for k in schema if k not in OBJECT_KEYWORDS | ANNOTATIONS and not k.startswith("x-"))
+        if unknown:
+            raise SchemaTemplateError(f"template infilling cannot enforce {', '.join(map(repr, unknown))}")
+        properties = schema["properties"]
+        missing = set(schema.get("required", [])) - set(properties)
+        if missing:
+            raise SchemaTemplateError(f"required properties without a schema: {sorted(missing)}")
+        automata = []
+        for slot in template.slots:
+            language = value_language(slot.name, properties[slot.name], slot.width * self.longest_token)
+            key = (language, slot.width)
+            if key not in self._automata:
+                try:
+                    automaton = SlotAutomaton(compile_language(language), self.token_bytes, self.codec.end_id,
+                                              slot.width)
+                except PatternError as error:
+                    raise SchemaTemplateError(f"property {slot.name!r}: {error}") from None
+                self._automata[key] = automaton
+            automaton = self._automata[key]
+            if not automaton.completable([None] * slot.width):
+                raise SchemaTemplateError(f"property {slot.name!r}: no valid value fits its slot of "
+                                          f"{slot.width} tokens (raise x-nowait-slot-tokens)")
+            automata.append(automaton)
+        return ConstrainedTemplate(template=template, automata=tuple(automata))
+
+
+def compile_template(schema: dict, codec: TextCodec, mask_id: int) -> ConstrainedTemplate:
+    """One-off `TemplateCompiler(codec, mask_id).compile(schema)` (engines keep a compiler)."""
+    return TemplateCompiler(codec, mask_id).compile(schema)

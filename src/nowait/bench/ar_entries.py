@@ -1,0 +1,154 @@
+"""The AR engines on the extraction task: `nowait eval --engine ar|spec [--structured]` and the
+`spec` / `ar-structured` entries of `nowait bench engines`.
+
+Everything here drives the engines through their public `generate`, so what is measured is what
+a caller gets. Latency is measured one document at a time (batch size 1, the latency-bound case
+the diffusion engine competes in): each request is created just before it is submitted, so its
+`timings.total_s` is its service time. Accuracy comes from the same scorer as `nowait eval`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from nowait.engines.autoregressive import AutoregressiveEngine, EngineConfig
+from nowait.engines.base import Completion, GenerationRequest, SamplingParams
+from nowait.engines.speculative import SpeculativeConfig, SpeculativeEngine
+from nowait.evaluation import ANSWER_WINDOW
+from nowait.extraction.corpus import Document, documents, schema_for
+from nowait.extraction.scorer import score_document, summarize
+from nowait.model import Transformer
+from nowait.tokenizer import TextCodec, extraction_prompt
+
+SPEC_METHODS = ("ngram", "draft")
+
+
+def grammar_for(model: Transformer, codec: TextCodec):
+    """A JSON Schema grammar compiler for this model's vocabulary (imports llguidance)."""
+    from nowait.engines.grammar import GrammarCompiler
+
+    return GrammarCompiler.from_codec(codec, vocab_size=model.config.vocab_size)
+
+
+def build_ar_engine(model: Transformer, codec: TextCodec, structured: bool = False,
+                    config: EngineConfig | None = None) -> AutoregressiveEngine:
+    """The AR engine, with the grammar compiler when `structured`."""
+    return AutoregressiveEngine(model, codec, config, grammar=grammar_for(model, codec) if structured else None)
+
+
+def build_spec_engine(model: Transformer, codec: TextCodec, method: str = "ngram", draft: Transformer | None = None,
+                      gamma: int = 4, structured: bool = False,
+                      config: EngineConfig | None = None) -> SpeculativeEngine:
+    grammar = grammar_for(model, codec) if structured else None
+    return SpeculativeEngine(model, codec, config, draft=draft, grammar=grammar,
+                             speculative=SpeculativeConfig(method=method, gamma=gamma))
+
+
+def document_request(doc: Document, codec: TextCodec, structured: bool = False,
+                     max_tokens: int = ANSWER_WINDOW) -> GenerationRequest:
+    """Greedy extraction of one document, constrained to its kind's JSON Schema if `structured`."""
+    return GenerationRequest(codec.encode(extraction_prompt(doc.kind, doc.text)), SamplingParams(max_tokens=max_tokens),
+                             schema=schema_for(doc.kind) if structured else None, request_id=doc.doc_id)
+
+
+def decode_documents_with(engine: AutoregressiveEngine, docs: list[Document], codec: TextCodec,
+                          structured: bool = False, one_at_a_time: bool = False, max_tokens: int = ANSWER_WINDOW,
+                          on_batch: Callable[[int], None] | None = None) -> list[Completion]:
+    """Completions for `docs`, in order. Batched through continuous batching by default (groups
+    of `max_num_seqs`, so `on_batch` can report progress); `one_at_a_time` for latency."""
+    completions: list[Completion] = []
+    group = 1 if one_at_a_time else engine.config.max_num_seqs
+    for start in range(0, len(docs), group):
+        chunk = docs[start: start + group]
+        completions += engine.generate([document_request(d, codec, structured, max_tokens) for d in chunk])
+        if on_batch:
+            on_batch(len(chunk))
+    return completions
+
+
+def completion_metrics(completions: list[Completion], docs: list[Document]) -> dict:
+    """The eval fields every engine reports (the scorer's, plus cost and latency)."""
+    metrics = summarize(score_document(c.text, d.fields, d.kind) for c, d in zip(completions, docs, strict=True))
+    tokens = sum(c.completion_tokens for c in completions)
+    forwards = sum(c.forwards for c in completions)
+    latencies = np.array([c.timings.total_s for c in completions]) * 1000
+    proposed = sum(c.draft_tokens_proposed for c in completions)
+    mask_s = sum(c.timings.grammar_mask_s for c in completions)
+    metrics.update({
+        "forwards_per_doc": forwards / max(len(completions), 1),
+        "tokens_per_forward": tokens / max(forwards, 1),
+        "latency_ms_p50": float(np.percentile(latencies, 50)) if len(latencies) else 0.0,
+        "latency_ms_p95": float(np.percentile(latencies, 95)) if len(latencies) else 0.0,
+        "tokens_per_doc": tokens / max(len(completions), 1),
+        "finished_by_length": sum(c.finish_reason == "length" for c in completions),
+        "mean_confidence": float(np.mean([c.confidence for c in completions])) if completions else 0.0,
+    })
+    if proposed:
+        metrics["acceptance_rate"] = sum(c.draft_tokens_accepted for c in completions) / proposed
+        metrics["draft_forwards_per_doc"] = sum(c.draft_forwards for c in completions) / len(completions)
+    if mask_s:
+        metrics["grammar_mask_us_per_token"] = mask_s / max(tokens, 1) * 1e6
+    return metrics
+
+
+def run_engine_eval(engine: AutoregressiveEngine, codec: TextCodec, n: int, split: str = "test",
+                    seed: int | None = None, structured: bool = False, one_at_a_time: bool = False,
+                    on_batch: Callable[[int], None] | None = None) -> dict:
+    """`nowait eval --engine ar|spec [--structured]`: the fields of `evaluation.run_eval` plus
+    the engine's cost and latency fields."""
+    docs = documents(split, n, seed=seed)
+    started = time.perf_counter()
+    completions = decode_documents_with(engine, docs, codec, structured, one_at_a_time, on_batch=on_batch)
+    elapsed = time.perf_counter() - started
+    decoding = "greedy, KV cache, continuous batching"
+    if isinstance(engine, SpeculativeEngine):
+        spec = engine.speculative
+        decoding += f", speculative ({spec.method}, gamma {spec.gamma}, at most {spec.max_batch} sequences)"
+    if structured:
+        decoding += ", JSON Schema grammar (llguidance)"
+    settings = {"engine": engine.name, "split": None if seed is not None else split, "seed": seed,
+                "structured": structured, "batch_size": 1 if one_at_a_time else engine.config.max_num_seqs,
+                "decoding": decoding}
+    return {**completion_metrics(completions, docs), "settings": settings, "elapsed_s": round(elapsed, 2)}
+
+
+def _identical(a: list[Completion], b: list[Completion]) -> bool:
+    return all(x.token_ids == y.token_ids for x, y in zip(a, b, strict=True))
+
+
+def spec_entry(model: Transformer, codec: TextCodec, docs: list[Document], draft: Transformer | None = None,
+               methods: tuple[str, ...] = SPEC_METHODS, gamma: int = 4) -> dict:
+    """`nowait bench engines` entry `spec`: AR + the best speculative method at batch size 1.
+
+    Plain AR and each method decode the same documents one at a time; the entry carries the
+    best method's eval fields (lowest p50 latency), its speed-up over plain AR, whether every
+    method's greedy output equals plain AR's, and the other methods beside it.
+    """
+    config = EngineConfig(max_num_seqs=1)
+    baseline = decode_documents_with(AutoregressiveEngine(model, codec, config), docs, codec, one_at_a_time=True)
+    plain = completion_metrics(baseline, docs)
+    results: dict[str, dict] = {}
+    for method in methods:
+        if method == "draft" and draft is None:
+            continue
+        engine = build_spec_engine(model, codec, method, draft, gamma, config=config)
+        completions = decode_documents_with(engine, docs, codec, one_at_a_time=True)
+        metrics = completion_metrics(completions, docs)
+        results[method] = {**metrics, "gamma": gamma, "greedy_identical_to_ar": _identical(completions, baseline),
+                           "speedup_p50_vs_ar": plain["latency_ms_p50"] / max(metrics["latency_ms_p50"], 1e-9)}
+    if not results:
+        raise ValueError("no speculative method to run (method 'draft' needs a draft model)")
+    best = min(results, key=lambda m: results[m]["latency_ms_p50"])
+    return {**results[best], "engine": "spec", "method": best, "batch_size": 1,
+            "methods": results, "ar": plain, "n": len(docs)}
+
+
+def ar_structured_entry(model: Transformer, codec: TextCodec, docs: list[Document]) -> dict:
+    """`nowait bench engines` entry `ar-structured`: greedy AR constrained to each document
+    kind's JSON Schema, one document at a time; `grammar_mask_us_per_token` is the mask's cost."""
+    engine = build_ar_engine(model, codec, structured=True, config=EngineConfig(max_num_seqs=1))
+    completions = decode_documents_with(engine, docs, codec, structured=True, one_at_a_time=True)
+    return {**completion_metrics(completions, docs), "engine": "ar-structured", "batch_size": 1, "n": len(docs)}

@@ -1,0 +1,116 @@
+"""`nowait bench batching`: continuous batching against one-at-a-time decoding, same requests.
+
+For each concurrency C the first C test documents are decoded twice by the same AR engine:
+all C submitted at once (continuous batching), then one after another. Output tokens per
+second of each, and whether the greedy outputs are identical, are printed from one run. The
+numbers are measurements, never assertions.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING
+
+import typer
+
+from nowait.bench import bench_app
+
+if TYPE_CHECKING:  # torch and the engines load when the command runs, not with the CLI
+    from nowait.extraction.corpus import Document
+    from nowait.model import Transformer
+    from nowait.tokenizer import TextCodec
+
+DEFAULT_CONCURRENCY = (1, 4, 16, 64)
+ANSWER_TOKENS = 160  # nowait.evaluation.ANSWER_WINDOW, the eval's answer budget
+
+
+def _requests(prompts: list[list[int]], max_tokens: int) -> list:
+    from nowait.engines.base import GenerationRequest, SamplingParams
+
+    return [GenerationRequest(p, SamplingParams(max_tokens=max_tokens)) for p in prompts]
+
+
+def measure_batching(model: Transformer, codec: TextCodec, docs: list[Document],
+                     concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, max_tokens: int = ANSWER_TOKENS,
+                     max_num_batched_tokens: int = 4096) -> list[dict]:
+    """One result per concurrency: batched and sequential output tokens/s, identical outputs."""
+    from nowait.engines.autoregressive import AutoregressiveEngine, EngineConfig
+    from nowait.tokenizer import extraction_prompt
+
+    if max(concurrency) > len(docs):
+        raise ValueError(f"concurrency {max(concurrency)} needs at least that many documents, got {len(docs)}")
+    prompts = [codec.encode(extraction_prompt(d.kind, d.text)) for d in docs]
+    # Rows sized for these requests, not for the model's longest context: memory is rows x length.
+    max_model_len = min(model.config.max_position, max(len(p) for p in prompts) + max_tokens + 1)
+    config = EngineConfig(max_num_seqs=max(concurrency), max_num_batched_tokens=max(max_num_batched_tokens,
+                                                                                     max(concurrency)),
+                          max_model_len=max_model_len)
+    engine = AutoregressiveEngine(model, codec, config)
+    engine.generate(_requests(prompts[:2], 4))  # warm-up: first-call allocations stay out of the numbers
+    results = []
+    for c in concurrency:
+        started = time.perf_counter()
+        batched = engine.generate(_requests(prompts[:c], max_tokens))
+        batched_s = time.perf_counter() - started
+        started = time.perf_counter()
+        sequential = [engine.generate(_requests([p], max_tokens))[0] for p in prompts[:c]]
+        sequential_s = time.perf_counter() - started
+        tokens = sum(x.completion_tokens for x in batched)
+        results.append({
+            "concurrency": c,
+            "batched_tokens_per_s": round(tokens / batched_s, 1),
+            "sequential_tokens_per_s": round(sum(x.completion_tokens for x in sequential) / sequential_s, 1),
+            "speedup": round(sequential_s / batched_s, 2),
+            "outputs_identical": all(a.token_ids == b.token_ids for a, b in zip(batched, sequential, strict=True)),
+            "output_tokens": tokens,
+            "batched_s": round(batched_s, 3),
+            "sequential_s": round(sequential_s, 3),
+        })
+    return results
+
+
+@bench_app.command("batching")
+def batching(
+    concurrency: str = typer.Option("1,4,16,64", help="comma-separated concurrencies, measured in one run"),
+    model: str = typer.Option("ar", help="AR checkpoint directory (default: the bundled AR model)"),
+    max_tokens: int = typer.Option(ANSWER_TOKENS, help="output tokens at most per request"),
+    max_num_batched_tokens: int = typer.Option(4096, help="token positions per forward, padding included"),
+    threads: int = typer.Option(None, help="CPU threads (default: torch's choice)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Output tokens/s with continuous batching vs the same requests one at a time."""
+    import torch
+
+    from nowait import paths
+    from nowait.checkpoints import CheckpointError, load_pretrained
+    from nowait.extraction.corpus import documents
+
+    try:
+        levels = tuple(int(x) for x in concurrency.split(","))
+    except ValueError:
+        levels = ()
+    if not levels or min(levels) < 1:
+        typer.echo(f"error: --concurrency must be positive integers separated by commas, got {concurrency!r}",
+                   err=True)
+        raise typer.Exit(code=2)
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        loaded = load_pretrained(paths.model_dir(model))
+    except CheckpointError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(code=2) from None
+    if not loaded.model.config.causal:
+        typer.echo("error: batching is measured on an AR (causal) model", err=True)
+        raise typer.Exit(code=2)
+    docs = documents("test", max(levels))
+    results = measure_batching(loaded.model, loaded.codec, docs, levels, max_tokens, max_num_batched_tokens)
+    if as_json:
+        print(json.dumps({"results": results, "settings": {"model": str(loaded.path), "max_tokens": max_tokens,
+                                                           "threads": torch.get_num_threads()}}))
+        return
+    for r in results:
+        typer.echo(f"concurrency {r['concurrency']:>3}: batched {r['batched_tokens_per_s']:>8.1f} tok/s, "
+                   f"one at a time {r['sequential_tokens_per_s']:>8.1f} tok/s ({r['speedup']}x), "
+                   f"outputs identical: {r['outputs_identical']}")

@@ -1,0 +1,223 @@
+"""`nowait bench engines`: every engine configuration on the same test documents, batch size 1.
+
+One process, one run: each entry decodes the same documents one at a time and reports the eval
+fields (accuracy, validity, forwards per document, tokens per forward, latency p50/p95); the
+latency and accuracy ratios against the diffusion fast default are printed beside them. The
+numbers are measurements, never assertions.
+
+Entries live in a registry (name -> function of a `BenchContext` returning the entry's eval
+fields), so other engines add theirs with `register_entry` without touching this command.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import typer
+
+from nowait.bench import bench_app
+
+if TYPE_CHECKING:  # torch and the engines load when the command runs, not with the CLI
+    from nowait.checkpoints import LoadedModel
+    from nowait.extraction.corpus import Document
+
+DEFAULT_ENTRIES = ("ar", "diffusion-reference", "diffusion", "diffusion-structured")
+BASELINE = "diffusion"  # the ratios compare every entry with the diffusion fast default
+
+
+class BenchError(ValueError):
+    """A bench that cannot run (a missing model, an unknown entry): one clear line."""
+
+
+@dataclass
+class BenchContext:
+    """What entries share: the documents, and the models by role, loaded once on first use."""
+
+    docs: list[Document]
+    model_paths: dict[str, str] = field(default_factory=dict)  # role (ar, diffusion, draft) -> dir
+    _loaded: dict[str, LoadedModel] = field(default_factory=dict)
+
+    def model(self, role: str) -> LoadedModel:
+        """The model for a role: `model_paths[role]` or the bundled demo model of that name."""
+        from nowait import paths
+        from nowait.checkpoints import CheckpointError, load_pretrained
+
+        if role not in self._loaded:
+            try:
+                self._loaded[role] = load_pretrained(paths.model_dir(self.model_paths.get(role) or role))
+            except CheckpointError as error:
+                raise BenchError(f"{role} model: {error}") from None
+        return self._loaded[role]
+
+    def optional_model(self, role: str) -> LoadedModel | None:
+        try:
+            return self.model(role)
+        except BenchError:
+            return None
+
+
+BenchEntry = Callable[[BenchContext], dict]
+ENTRIES: dict[str, BenchEntry] = {}
+
+
+def register_entry(name: str) -> Callable[[BenchEntry], BenchEntry]:
+    """Add an entry: a function of the context returning its eval fields (at least those of
+    `nowait eval`: field_accuracy, forwards_per_doc, tokens_per_forward, latency_ms_p50/p95)."""
+    def add(entry: BenchEntry) -> BenchEntry:
+        ENTRIES[name] = entry
+        return entry
+    return add
+
+
+# --- the four configurations of issue 3 ---
+
+
+def _diffusion(ctx: BenchContext, options, structured: bool = False) -> dict:
+    from nowait.evaluation import describe_decoding, evaluate_engine
+
+    loaded = ctx.model("diffusion")
+    result = evaluate_engine(loaded.model, loaded.codec, "diffusion", ctx.docs, batch_size=1, diffusion=options,
+                             structured=structured)
+    return {**result, "decoding": describe_decoding("diffusion", options, structured)}
+
+
+@register_entry("ar")
+def ar_entry(ctx: BenchContext) -> dict:
+    """Plain greedy AR decoding with the KV cache."""
+    from nowait.evaluation import describe_decoding, evaluate_engine
+
+    loaded = ctx.model("ar")
+    result = evaluate_engine(loaded.model, loaded.codec, "ar", ctx.docs, batch_size=1)
+    return {**result, "decoding": describe_decoding("ar", None, False)}
+
+
+def reference_options():
+    """LLaDA's reference schedule: one position per forward, blocks of 32, no cache."""
+    from nowait.engines.diffusion_request import DiffusionOptions
+
+    return DiffusionOptions(policy="fixed", steps=None, block=32, template_block=32, cache="none")
+
+
+@register_entry("diffusion-reference")
+def diffusion_reference_entry(ctx: BenchContext) -> dict:
+    return _diffusion(ctx, reference_options())
+
+
+@register_entry("diffusion")
+def diffusion_entry(ctx: BenchContext) -> dict:
+    """The engine's fast default, free-form JSON (like `ar`)."""
+    from nowait.engines.diffusion_request import DiffusionOptions
+
+    return _diffusion(ctx, DiffusionOptions())
+
+
+@register_entry("diffusion-structured")
+def diffusion_structured_entry(ctx: BenchContext) -> dict:
+    """The fast default filling each document kind's JSON Schema template."""
+    from nowait.engines.diffusion_request import DiffusionOptions
+
+    return _diffusion(ctx, DiffusionOptions(), structured=True)
+
+
+# --- running and reporting ---
+
+
+def ratios(entries: list[dict], baseline: str = BASELINE) -> dict[str, dict[str, float]]:
+    """p50 latency of each entry over the baseline's (how many times faster the baseline is),
+    and each entry's field accuracy over the baseline's."""
+    by_name = {e["name"]: e for e in entries}
+    base = by_name.get(baseline)
+    if base is None:
+        return {"latency_p50": {}, "field_accuracy": {}}
+    latency, accuracy = {}, {}
+    for name, entry in by_name.items():
+        if name == baseline:
+            continue
+        if base["latency_ms_p50"] > 0:
+            latency[f"{name}/{baseline}"] = round(entry["latency_ms_p50"] / base["latency_ms_p50"], 3)
+        if entry["field_accuracy"] > 0:
+            accuracy[f"{baseline}/{name}"] = round(base["field_accuracy"] / entry["field_accuracy"], 4)
+    return {"latency_p50": latency, "field_accuracy": accuracy}
+
+
+def run_bench(ctx: BenchContext, names: list[str], progress: Callable[[str], None] | None = None) -> dict:
+    unknown = [n for n in names if n not in ENTRIES]
+    if unknown:
+        raise BenchError(f"unknown entr{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
+                         f"registered: {', '.join(ENTRIES)}")
+    entries = []
+    for name in names:
+        if progress:
+            progress(name)
+        entries.append({"name": name, **ENTRIES[name](ctx)})
+    return {"engines": entries, "ratios": ratios(entries), "n": len(ctx.docs)}
+
+
+@bench_app.command("engines")
+def engines(
+    n: int = typer.Option(200, help="test documents, each decoded once per entry at batch size 1"),
+    split: str = typer.Option("test", help="validation or test (ignored with --seed)"),
+    seed: int = typer.Option(None, help="a fresh sample of the same distribution"),
+    ar_model: str = typer.Option(None, help="AR checkpoint directory (default: the bundled ar model)"),
+    diffusion_model: str = typer.Option(None, help="diffusion checkpoint directory (default: bundled diffusion)"),
+    draft_model: str = typer.Option(None, help="draft checkpoint directory, for entries that use one"),
+    only: str = typer.Option(None, help="comma-separated entries to run (default: "
+                                        + ", ".join(DEFAULT_ENTRIES) + ")"),
+    threads: int = typer.Option(None, help="CPU threads (default: torch's choice)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Latency, forwards and accuracy of AR and the diffusion configurations, same documents.
+
+    Entries: plain AR (KV cache), the reference diffusion schedule (one token per forward, no
+    cache), the diffusion fast default, and the fast default filling schema templates."""
+    from rich.console import Console
+
+    from nowait.cli import fail
+
+    if n < 1:
+        fail("--n must be at least 1")
+    if seed is None and split not in ("validation", "test"):
+        fail(f"unknown split {split!r}; choose validation or test (or give --seed)")
+    import torch
+
+    from nowait.extraction.corpus import documents
+
+    if threads:
+        torch.set_num_threads(threads)
+    names = [name.strip() for name in only.split(",") if name.strip()] if only else list(DEFAULT_ENTRIES)
+    ctx = BenchContext(docs=documents(split, n, seed=seed),
+                       model_paths={"ar": ar_model, "diffusion": diffusion_model, "draft": draft_model})
+    err = Console(stderr=True)
+    try:
+        report = run_bench(ctx, names, progress=None if as_json else lambda name: err.print(f"bench {name} ..."))
+    except ValueError as error:
+        fail(str(error))
+    report["settings"] = {"split": None if seed is not None else split, "seed": seed, "batch_size": 1,
+                          "threads": torch.get_num_threads(),
+                          "models": {role: str(loaded.path) for role, loaded in ctx._loaded.items()}}
+    if as_json:
+        print(json.dumps(report))
+        return
+    _print_table(report)
+
+
+def _print_table(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"nowait bench engines (n={report['n']}, batch size 1)")
+    table.add_column("engine", no_wrap=True)
+    for column in ("field acc", "doc acc", "valid", "fwd/doc", "tok/fwd", "p50 ms", "p95 ms"):
+        table.add_column(column, justify="right")
+    for e in report["engines"]:
+        table.add_row(e["name"], f"{e['field_accuracy']:.3f}", f"{e.get('doc_accuracy', 0):.3f}",
+                      f"{e.get('json_valid_rate', 0):.3f}", f"{e['forwards_per_doc']:.1f}",
+                      f"{e['tokens_per_forward']:.2f}", f"{e['latency_ms_p50']:.1f}", f"{e['latency_ms_p95']:.1f}")
+    console = Console()
+    console.print(table)
+    for kind, values in report["ratios"].items():
+        if values:
+            console.print(f"{kind}: " + ", ".join(f"{k} {v}" for k, v in values.items()), highlight=False)

@@ -1,0 +1,188 @@
+"""The masked-diffusion engine: batched, cached, early-stopping, schema-constrained decoding.
+
+Each iteration of the scheduler moves every active request by exactly one step, so a request's
+output depends only on its own steps (a batched run equals the same requests run alone):
+
+1. waiting requests join, up to `max_batch` (a newcomer starts at its first block boundary);
+   their prompts are prefilled once, the keys/values stacked into the batch's cache;
+2. with the prefix/dual cache, rows starting a block run a refresh forward over their whole
+   window (writing its keys/values; its logits are the block's first step);
+3. the other rows run one step forward over what their cache mode recomputes;
+4. each row commits what its policy picks; a row whose answer is settled leaves at once (its
+   cache row is dropped); a row whose block completed refreshes on the next iteration.
+
+Requests with different cache modes run one mode after another (their forwards differ).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator
+
+import torch
+
+from nowait.engines.base import Completion, GenerationRequest, StreamChunk
+from nowait.engines.diffusion_cache import forward_spans, prefill, put_rows, stack_caches, take_rows
+from nowait.engines.diffusion_request import DecodePlan, DiffusionOptions, plan_request
+from nowait.engines.diffusion_row import RowState
+from nowait.engines.structured import TemplateCompiler
+from nowait.model import KVCache, Transformer
+from nowait.tokenizer import TextCodec
+
+
+class DiffusionEngine:
+    """Implements the `Engine` protocol for a bidirectional (masked diffusion) model."""
+
+    kind = "diffusion"
+
+    def __init__(self, model: Transformer, codec: TextCodec, options: DiffusionOptions | None = None,
+                 max_batch: int = 8, name: str = "diffusion") -> None:
+        if model.config.causal:
+            raise ValueError("the diffusion engine needs a bidirectional model; this one is causal (AR)")
+        if max_batch < 1:
+            raise ValueError("max_batch must be at least 1")
+        self.model = model.eval()
+        self.codec = codec
+        self.options = options or DiffusionOptions()
+        self.options.validate()
+        self.max_batch = max_batch
+        self.name = name
+        self.mask_id = model.config.mask_token_id if model.config.mask_token_id is not None else codec.mask_id
+        self.end_id = codec.end_id
+        self.compiler = TemplateCompiler(codec, self.mask_id)
+
+    def plan(self, request: GenerationRequest) -> DecodePlan:
+        """Validate a request (InvalidRequestError) and lay out its answer window."""
+        return plan_request(request, self.options, self.model.config, self.compiler, self.mask_id, self.end_id)
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
+        plans = [self.plan(request) for request in requests]  # refuse bad requests before any work
+        rows = self._rows(plans)
+        completions: list[Completion | None] = [None] * len(rows)
+        for mode in dict.fromkeys(plan.options.cache for plan in plans):
+            batch = _Scheduler(self.model, [r for r in rows if r.plan.options.cache == mode], mode,
+                               self.max_batch, self.end_id)
+            for row, event in batch.events():
+                if event == "done":
+                    completions[row.index] = row.completion(self.name, self.codec)
+        return completions
+
+    def stream(self, request: GenerationRequest) -> Iterator[StreamChunk]:
+        """Chunks of settled text, one per completed block; the last carries the Completion."""
+        plan = self.plan(request)  # raised here, not at the first next()
+        return self._stream(plan)
+
+    def _stream(self, plan: DecodePlan) -> Iterator[StreamChunk]:
+        [row] = self._rows([plan])
+        sent_text, sent_ids = "", 0
+        for _, event in _Scheduler(self.model, [row], plan.options.cache, 1, self.end_id).events():
+            if event == "done":
+                completion = row.completion(self.name, self.codec)
+                yield StreamChunk(text=completion.text[len(sent_text):], token_ids=completion.token_ids[sent_ids:],
+                                  completion=completion)
+                return
+            text, ids = row.decided(self.codec)
+            if len(text) > len(sent_text) and text.startswith(sent_text):
+                yield StreamChunk(text=text[len(sent_text):], token_ids=ids[sent_ids:])
+                sent_text, sent_ids = text, len(ids)
+
+    def _rows(self, plans: list[DecodePlan]) -> list[RowState]:
+        device = self.model.output_weight().device
+        return [RowState(plan, index, self.model.config.logits_shift, self.mask_id, device)
+                for index, plan in enumerate(plans)]
+
+
+class _Scheduler:
+    """Decodes rows of one cache mode, at most `max_batch` at a time."""
+
+    def __init__(self, model: Transformer, rows: list[RowState], cache_mode: str, max_batch: int,
+                 pad_id: int) -> None:
+        self.model, self.cache_mode, self.max_batch, self.pad_id = model, cache_mode, max_batch, pad_id
+        self.waiting = deque(rows)
+        self.active: list[RowState] = []  # active[i] owns row i of the cache
+        self.cache: KVCache | None = None
+        self.capacity = 0
+
+    @torch.inference_mode()
+    def events(self) -> Iterator[tuple[RowState, str]]:
+        """(row, "block") when a row completes a block, (row, "done") when it finishes."""
+        while self.waiting or self.active:
+            joining = []
+            while self.waiting and len(self.active) + len(joining) < self.max_batch:
+                joining.append(self.waiting.popleft())
+            if joining:
+                self._admit(joining)
+            refreshing = [i for i, row in enumerate(self.active)
+                          if row.needs_refresh and self.cache_mode in ("prefix", "dual")]
+            if refreshing:
+                self._refresh(refreshing)
+            if len(refreshing) < len(self.active):
+                self._step(set(range(len(self.active))) - set(refreshing))
+            now = time.perf_counter()
+            events = [(row, row.advance(now)) for row in self.active]
+            for row, event in events:
+                if event:
+                    yield row, event
+            if any(row.done for row in self.active):
+                self._retire()
+
+    def _admit(self, joining: list[RowState]) -> None:
+        now = time.perf_counter()
+        for row in joining:
+            row.admitted_at = now
+        if self.cache_mode != "none":
+            everyone = self.active + joining
+            # Room for a refresh: a row's cached prompt plus the longest window of the batch.
+            capacity = max(max(r.total_length for r in everyone) + max(r.window_length for r in everyone) + 1,
+                           self.capacity)
+            prefixes = [row.tokens[: row.prompt_prefix] for row in joining]
+            fresh = prefill(self.model, prefixes, capacity, self.pad_id)
+            for row in joining:
+                row.forwards += row.prompt_prefix > 0
+            self.cache = fresh if self.cache is None else stack_caches(self.model, self.cache, fresh, capacity)
+            self.capacity = capacity
+        self.active.extend(joining)
+
+    def _refresh(self, indices: list[int]) -> None:
+        """Recompute the whole window of rows starting a block, writing its keys/values."""
+        rows = [self.active[i] for i in indices]
+        for i, row in zip(indices, rows, strict=True):
+            self.cache.lengths[i] = row.prompt_prefix
+        whole = len(indices) == len(self.active)
+        target = self.cache if whole else take_rows(self.model, self.cache, indices,
+                                                    max(r.prompt_prefix for r in rows), self.capacity)
+        spans = [row.refresh_span() for row in rows]
+        logits = forward_spans(self.model, [s for s, _ in spans], [start for _, start in spans], self.pad_id,
+                               target, write=True)
+        if not whole:
+            put_rows(self.cache, indices, target, max(r.total_length for r in rows))
+        for k, (i, row) in enumerate(zip(indices, rows, strict=True)):
+            row.forwards += 1
+            row.needs_refresh = False
+            row.decide(row.block_logits(logits[k], spans[k][1]))
+            row.keep_block_cache(self.cache, i, self.cache_mode)
+
+    def _step(self, indices: set[int]) -> None:
+        """One forward for the given rows; the others ride along as a one-token no-op (a row
+        of the cache cannot be skipped, and one token costs next to nothing)."""
+        spans, starts = [], []
+        for i, row in enumerate(self.active):
+            span, start = row.step_span(self.cache_mode) if i in indices else (row.tokens[:1], 0)
+            spans.append(span)
+            starts.append(start)
+        cache = None if self.cache_mode == "none" else self.cache
+        logits = forward_spans(self.model, spans, starts, self.pad_id, cache, write=False)
+        for i in sorted(indices):
+            row = self.active[i]
+            row.forwards += 1
+            row.decide(row.block_logits(logits[i], starts[i]))
+
+    def _retire(self) -> None:
+        keep = [i for i, row in enumerate(self.active) if not row.done]
+        self.active = [self.active[i] for i in keep]
+        if self.cache is not None:
+            if keep:
+                self.cache.select(torch.tensor(keep, device=self.cache.lengths.device))
+            else:
+                self.cache, self.capacity = None, 0

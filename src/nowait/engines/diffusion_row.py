@@ -1,0 +1,309 @@
+"""One request's decoding state: its answer window, the block being filled, the decision of
+each step, what each cache mode forwards for it, and the Completion it ends with.
+
+Positions: the row's sequence is prompt (P tokens) + window (W). With Dream's logit shift the
+logits that predict position p sit at p - 1, so whatever forwards window position i must also
+forward the token before it: the last prompt token is never cached (it is recomputed with the
+window), and a block's forward starts one token before the block.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from nowait.engines.base import Completion, Timings
+from nowait.engines.diffusion_cache import cut_slots
+from nowait.engines.diffusion_policies import (
+    choose_commits,
+    filter_top_k_top_p,
+    fixed_count,
+    gumbel_noise,
+    position_scores,
+    propose_tokens,
+    token_probability,
+)
+from nowait.engines.diffusion_request import DecodePlan
+from nowait.engines.structured import read_template
+from nowait.model import KVCache
+from nowait.tokenizer import TextCodec
+
+
+class RowState:
+    def __init__(self, plan: DecodePlan, index: int, shift: bool, mask_id: int, device: torch.device) -> None:
+        self.plan, self.index, self.mask_id = plan, index, mask_id
+        self.shift = int(shift)
+        self.prompt_length, self.window_length = len(plan.prompt), len(plan.window)
+        self.tokens = torch.tensor(plan.prompt + plan.window, dtype=torch.long, device=device)
+        self.fillable = torch.tensor(plan.fillable, dtype=torch.bool, device=device)
+        self.confidence = torch.full((self.window_length,), float("nan"), device=device)
+        self.end_ids = torch.tensor(sorted(plan.end_ids), device=device)
+        self.block_index = 0
+        self.steps_in_block = 0
+        self.needs_refresh = True
+        self.forwards = 0
+        self.finish_reason: str | None = None
+        self.admitted_at = self.first_text_at = self.finished_at = 0.0
+        sampling = plan.request.sampling
+        self.generator = None
+        if sampling.temperature > 0:
+            seed = sampling.seed if sampling.seed is not None else random.randrange(2**63)
+            self.generator = torch.Generator().manual_seed(seed)
+        self.slot_of = [-1] * self.window_length  # window position -> slot index (templates)
+        if plan.template is not None:
+            for k, slot in enumerate(plan.template.template.slots):
+                for offset in range(slot.width):
+                    self.slot_of[slot.start + offset] = k
+
+    # --- geometry ---
+
+    @property
+    def window(self) -> Tensor:
+        return self.tokens[self.prompt_length:]
+
+    @property
+    def block(self) -> tuple[int, int]:
+        return self.plan.blocks[self.block_index]
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def prompt_prefix(self) -> int:
+        """Prompt tokens kept in the cache: all but the last one when logits are shifted."""
+        return self.prompt_length - self.shift
+
+    @property
+    def total_length(self) -> int:
+        return self.prompt_length + self.window_length
+
+    def refresh_span(self) -> tuple[Tensor, int]:
+        """The whole window (and the token before it), recomputed over the cached prompt."""
+        return self.tokens[self.prompt_prefix:], self.prompt_prefix
+
+    def step_span(self, cache_mode: str) -> tuple[Tensor, int]:
+        """What one step forwards; the rest of the sequence is in this row's cache slots."""
+        lo, hi = self.block
+        if cache_mode == "none":
+            return self.tokens, 0
+        if cache_mode == "prompt":
+            return self.refresh_span()
+        start = self.prompt_length + lo - self.shift
+        end = self.total_length if cache_mode == "prefix" else self.prompt_length + hi
+        return self.tokens[start:end], start
+
+    def block_logits(self, logits: Tensor, span_start: int) -> Tensor:
+        """This row's logits [block, vocab] for the current block, from a forward whose span
+        began at absolute position `span_start`."""
+        lo, hi = self.block
+        first = self.prompt_length + lo - self.shift - span_start
+        return logits[first: first + hi - lo]
+
+    def keep_block_cache(self, cache: KVCache, row: int, cache_mode: str) -> None:
+        """After a refresh wrote the whole window: keep what the block's steps will reuse."""
+        lo, hi = self.block
+        start = self.prompt_length + lo - self.shift
+        if cache_mode == "prefix":
+            cache.lengths[row] = start
+        else:  # dual: drop the span each step recomputes, keep the suffix after it
+            cut_slots(cache, row, start, self.prompt_length + hi, self.total_length)
+
+    # --- one step ---
+
+    def _masked(self, lo: int, hi: int) -> Tensor:
+        return (self.window[lo:hi] == self.mask_id) & self.fillable[lo:hi]
+
+    def decide(self, logits: Tensor) -> None:
+        """Propose a token at every masked position of the block and commit some of them.
+
+        `logits` [block, vocab]; only the still-masked positions are looked at."""
+        lo, hi = self.block
+        options, sampling = self.plan.options, self.plan.request.sampling
+        where = self._masked(lo, hi).nonzero().flatten()  # block offsets still to fill
+        steps_done = self.steps_in_block
+        self.steps_in_block += 1
+        if not len(where):
+            return
+        logits = logits[where].float()
+        logits[:, self.mask_id] = float("-inf")  # committing the mask token would commit nothing
+        probabilities = logits.softmax(-1)
+        allowed = forced = None
+        if self.plan.template is not None:
+            allowed, forced = self._allowed([lo + int(p) for p in where], logits.shape[-1])
+            allowed, forced = allowed.to(logits.device), forced.to(logits.device)
+        choice = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
+        noise = None
+        if sampling.temperature > 0:
+            choice = filter_top_k_top_p(choice, sampling.top_k, sampling.top_p)
+            noise = gumbel_noise(tuple(choice.shape), self.generator).to(choice.device)
+        prediction = propose_tokens(choice, sampling.temperature, noise)
+        # The reported confidence is the model's own probability of the token, not renormalized
+        # over what the template allows: a forced token the model did not want stays unsure.
+        chosen_probability = token_probability(probabilities, prediction)
+        ranked = probabilities if allowed is None else probabilities.masked_fill(~allowed, 0.0)
+        score = position_scores(options.score, ranked, chosen_probability)
+        if forced is not None:  # a position with one legal token has nothing to wait for
+            score = torch.where(forced, torch.ones_like(score), score)
+        count = 1
+        if options.policy == "fixed":
+            steps = options.steps or int(self.fillable[lo:hi].sum())
+            count = fixed_count(len(where), steps - steps_done)
+        everything = torch.ones(1, len(where), dtype=torch.bool, device=score.device)
+        commit = choose_commits(options.policy, score[None], everything, tau=options.tau,
+                                factor=options.factor, count=count)[0]
+        positions = where + lo
+        if self.plan.template is not None:
+            commit = self._consistent(positions, commit, prediction, score)
+        self.window[positions[commit]] = prediction[commit]
+        self.confidence[positions[commit]] = chosen_probability[commit]
+
+    def _slot_assignment(self, slot_index: int, window: list[int]) -> list[int | None]:
+        slot = self.plan.template.template.slots[slot_index]
+        return [None if t == self.mask_id else t for t in window[slot.start: slot.start + slot.width]]
+
+    def _allowed(self, positions: list[int], vocab: int) -> tuple[Tensor, Tensor]:
+        """bool [positions, vocab]: the tokens that keep each masked slot position's slot
+        completable, and bool [positions]: where exactly one token is legal.
+
+        A model's vocabulary may be padded past the tokenizer's: ids without text stay out."""
+        template = self.plan.template
+        window = self.window.tolist()
+        wanted: dict[int, list[int]] = {}
+        for position in positions:
+            slot_index = self.slot_of[position]
+            wanted.setdefault(slot_index, []).append(position - template.template.slots[slot_index].start)
+        by_position = {}
+        for slot_index, offsets in wanted.items():
+            start = template.template.slots[slot_index].start
+            masks = template.automata[slot_index].allowed(self._slot_assignment(slot_index, window), offsets)
+            by_position.update({start + offset: mask for offset, mask in masks.items()})
+        stacked = torch.from_numpy(np.stack([by_position[p] for p in positions]))
+        allowed = torch.zeros(len(positions), vocab, dtype=torch.bool)
+        known = min(stacked.shape[1], vocab)
+        allowed[:, :known] = stacked[:, :known]
+        return allowed, allowed.sum(-1) == 1
+
+    def _consistent(self, positions: Tensor, commit: Tensor, prediction: Tensor, score: Tensor) -> Tensor:
+        """Commits that are legal together: each was legal alone; within one slot, take them in
+        score order and drop any that the ones before it make impossible (it stays masked)."""
+        template = self.plan.template
+        window = self.window.tolist()
+        by_slot: dict[int, list[int]] = {}
+        for k in commit.nonzero().flatten().tolist():
+            by_slot.setdefault(self.slot_of[int(positions[k])], []).append(k)
+        commit = commit.clone()
+        for slot_index, chosen in by_slot.items():
+            if len(chosen) < 2:
+                continue
+            slot = template.template.slots[slot_index]
+            automaton = template.automata[slot_index]
+            assigned = self._slot_assignment(slot_index, window)
+            chosen.sort(key=lambda k: -float(score[k]))
+            for rank, k in enumerate(chosen):
+                offset, token = int(positions[k]) - slot.start, int(prediction[k])
+                if rank and not automaton.allowed(assigned, [offset])[offset][token]:
+                    commit[k] = False
+                    continue
+                assigned[offset] = token
+        return commit
+
+    # --- after a step ---
+
+    def first_end(self) -> int | None:
+        hits = torch.isin(self.window, self.end_ids).nonzero()
+        return int(hits[0]) if len(hits) else None
+
+    def advance(self, now: float) -> str | None:
+        """"done" when the answer is settled, "block" when a block completed, else None.
+
+        Early stop (free-form): once an end token is committed and every position before it
+        is, the answer is final: nothing after it can change the output, so no more forwards.
+        """
+        if self.plan.template is None:
+            end = self.first_end()
+            if end is not None and not bool(self._masked(0, end).any()):
+                return self._finish("stop", now)
+        lo, hi = self.block
+        if bool(self._masked(lo, hi).any()):
+            return None
+        self.block_index += 1
+        self.steps_in_block = 0
+        self.needs_refresh = True
+        if self.block_index == len(self.plan.blocks):
+            return self._finish("length" if self.plan.template is None else "stop", now)
+        self.first_text_at = self.first_text_at or now
+        return "block"
+
+    def _finish(self, reason: str, now: float) -> str:
+        self.finish_reason = reason
+        self.finished_at = now
+        self.first_text_at = self.first_text_at or now
+        return "done"
+
+    # --- output ---
+
+    def decided(self, codec: TextCodec) -> tuple[str, list[int]]:
+        """The text (and ids) settled so far, read left to right: streaming sends its growth."""
+        window = self.window.tolist()
+        template = self.plan.template
+        if template is None:
+            cut = next((i for i, t in enumerate(window) if t == self.mask_id or t in self.plan.end_ids),
+                       len(window))
+            return codec.decode(window[:cut]).rstrip("\ufffd"), window[:cut]
+        text, upto = "", 0
+        for piece, slot in zip(template.template.pieces, template.template.slots, strict=False):
+            text += piece
+            upto = slot.start
+            values = window[slot.start: slot.start + slot.width]
+            if self.mask_id in values:
+                break
+            text += codec.decode([t for t in values if t not in self.plan.end_ids])
+            upto = slot.start + slot.width
+        else:
+            text += template.template.pieces[-1]
+            upto = len(window)
+        return text, [t for t in window[:upto] if t not in self.plan.end_ids]
+
+    def completion(self, engine: str, codec: TextCodec) -> Completion:
+        window = self.window.tolist()
+        confidence = self.confidence.tolist()
+        template = self.plan.template
+        if template is None:
+            end = self.first_end()
+            cut = len(window) if end is None else end
+            token_ids, token_confidences = window[:cut], confidence[:cut]
+            # The end token decides where the answer stops: one more decision to be sure of.
+            deciding = token_confidences + ([] if end is None else [confidence[end]])
+            text = codec.decode(token_ids)
+        else:
+            token_ids, token_confidences, deciding = [], [], []
+            value_ends = set()
+            for slot in template.template.slots:
+                span = window[slot.start: slot.start + slot.width]
+                first_end = next((i for i, t in enumerate(span) if t in self.plan.end_ids), None)
+                if first_end is not None:
+                    value_ends.add(slot.start + first_end)
+            for position, token in enumerate(window):
+                if token in self.plan.end_ids:
+                    if position in value_ends:
+                        deciding.append(confidence[position])
+                    continue
+                generated = self.slot_of[position] >= 0
+                token_ids.append(token)
+                token_confidences.append(confidence[position] if generated else 1.0)
+                if generated:
+                    deciding.append(confidence[position])
+            text = read_template(template.template, window, codec)
+        arrival = self.plan.request.arrival_time
+        return Completion(
+            request_id=self.plan.request.request_id, engine=engine, token_ids=token_ids, text=text,
+            finish_reason=self.finish_reason or "error", prompt_tokens=self.prompt_length,
+            token_confidences=token_confidences, confidence=min(deciding, default=1.0),
+            confidence_kind="min_token_probability", forwards=self.forwards,
+            timings=Timings(queued_s=self.admitted_at - arrival, first_token_s=self.first_text_at - arrival,
+                            total_s=self.finished_at - arrival),
+        )

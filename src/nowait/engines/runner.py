@@ -1,0 +1,158 @@
+"""Model runner: the sequences' keys/values in a pool of cache rows, and the forwards over them.
+
+The pool is one `KVCache` of `max_num_seqs` rows. Running sequences occupy rows [0, n), with no
+holes: a retired sequence's row is filled by moving the last row into it (one row copy), so a
+decode step over every running sequence is a forward over a view of the first n rows, written
+in place. Prefill chunks go through a small temporary cache and are copied into their rows,
+because the sequences being prefilled need not be adjacent.
+
+The pool can hold several caches with the same row layout (the speculative engine keeps the
+draft model's cache beside the target's), and moves rows in all of them together.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from nowait.engines.sequence import Sequence
+from nowait.model import KVCache, Transformer
+
+
+def cache_view(cache: KVCache, rows: int) -> KVCache:
+    """A KVCache over rows [0, rows) of `cache` sharing its storage (slices are views), so a
+    forward through it writes keys/values in place; copy `lengths` back after it.
+
+    (`KVCache` has no view constructor; one in nowait.model would replace this helper.)
+    """
+    view = KVCache.__new__(KVCache)
+    view.keys = [k[:rows] for k in cache.keys]
+    view.values = [v[:rows] for v in cache.values]
+    view.lengths = cache.lengths[:rows].clone()
+    view.max_tokens = cache.max_tokens
+    return view
+
+
+class CachePool:
+    """Rows of one or more KV caches, handed out densely to running sequences."""
+
+    def __init__(self, models: list[Transformer], rows: int, max_tokens: int) -> None:
+        self.caches = [KVCache(m.config, rows, max_tokens, dtype=m.output_weight().dtype,
+                               device=m.output_weight().device) for m in models]
+        self.rows = rows
+        self.max_tokens = max_tokens
+        self.owners: list[Sequence] = []
+
+    @property
+    def used(self) -> int:
+        return len(self.owners)
+
+    def allocate(self, seq: Sequence) -> None:
+        if self.used >= self.rows:
+            raise RuntimeError("no free cache row (the scheduler admitted more than max_num_seqs)")
+        seq.row = self.used
+        self.owners.append(seq)
+        for cache in self.caches:
+            cache.lengths[seq.row] = 0
+
+    def release(self, seq: Sequence) -> None:
+        """Free `seq`'s row, moving the last occupied row into it to keep rows dense."""
+        hole, last = seq.row, self.used - 1
+        if self.owners[hole] is not seq:
+            raise RuntimeError(f"{seq} does not own row {hole}")
+        if hole != last:
+            moved = self.owners[last]
+            for cache in self.caches:
+                length = int(cache.lengths[last])
+                for keys, values in zip(cache.keys, cache.values, strict=True):
+                    keys[hole, :length] = keys[last, :length]
+                    values[hole, :length] = values[last, :length]
+                cache.lengths[hole] = length
+            self.owners[hole] = moved
+            moved.row = hole
+        self.owners.pop()
+        seq.row = -1
+
+    def view(self, index: int = 0) -> KVCache:
+        """Cache `index` over the occupied rows, in row order (= `self.owners`)."""
+        return cache_view(self.caches[index], self.used)
+
+    def commit_view(self, view: KVCache, index: int = 0) -> None:
+        self.caches[index].lengths[: view.batch] = view.lengths
+
+
+class ModelRunner:
+    """Forwards of one model over sequences whose keys/values live in `pool.caches[index]`."""
+
+    def __init__(self, model: Transformer, pool: CachePool, index: int, pad_id: int) -> None:
+        self.model = model
+        self.pool = pool
+        self.index = index
+        self.pad_id = pad_id
+        self.device = model.output_weight().device
+
+    @property
+    def cache(self) -> KVCache:
+        return self.pool.caches[self.index]
+
+    @torch.no_grad()
+    def extend(self, seqs: list[Sequence], starts: list[int], tokens: list[list[int]]) -> Tensor:
+        """Feed `tokens[i]` to sequence i after its first `starts[i]` cached tokens; returns the
+        logits at each sequence's last new token, [B, vocab].
+
+        Used for prefill chunks (and to bring the draft model's cache up to date). The rows
+        are gathered into a temporary cache, run as one right-padded batch and copied back:
+        only the prefix each row needs is copied, and padding never reaches the pool.
+        """
+        lengths = [len(t) for t in tokens]
+        batch, width = len(seqs), max(lengths)
+        prefix = max(starts)
+        config = self.model.config
+        temp = KVCache(config, batch, prefix + width, dtype=self.cache.keys[0].dtype, device=self.device)
+        for i, (seq, start) in enumerate(zip(seqs, starts, strict=True)):
+            if start:
+                for layer in range(config.num_layers):
+                    temp.keys[layer][i, :start] = self.cache.keys[layer][seq.row, :start]
+                    temp.values[layer][i, :start] = self.cache.values[layer][seq.row, :start]
+            temp.lengths[i] = start
+        ids = torch.full((batch, width), self.pad_id, dtype=torch.long)
+        for i, chunk in enumerate(tokens):
+            ids[i, : len(chunk)] = torch.tensor(chunk, dtype=torch.long)
+        valid = torch.tensor(lengths, dtype=torch.long, device=self.device)
+        logits = self.model(ids.to(self.device), temp, valid_lengths=valid)
+        for i, (seq, start, length) in enumerate(zip(seqs, starts, lengths, strict=True)):
+            end = start + length
+            for layer in range(config.num_layers):
+                self.cache.keys[layer][seq.row, start:end] = temp.keys[layer][i, start:end]
+                self.cache.values[layer][seq.row, start:end] = temp.values[layer][i, start:end]
+            self.cache.lengths[seq.row] = end
+        return logits[torch.arange(batch, device=self.device), valid - 1]
+
+    @torch.no_grad()
+    def forward_rows(self, tokens: list[list[int]]) -> Tensor:
+        """Feed `tokens[r]` to the sequence in row r, for every occupied row, in place.
+
+        Returns the logits at every new position, [rows, longest, vocab]; rows with fewer
+        tokens are right padded (their padded keys land past their length and are never read).
+        """
+        view = self.pool.view(self.index)
+        lengths = [len(t) for t in tokens]
+        width = max(lengths)
+        if width == 1:
+            ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+            valid = None
+        else:
+            ids = torch.full((len(tokens), width), self.pad_id, dtype=torch.long)
+            for row, chunk in enumerate(tokens):
+                ids[row, : len(chunk)] = torch.tensor(chunk, dtype=torch.long)
+            ids = ids.to(self.device)
+            valid = torch.tensor(lengths, dtype=torch.long, device=self.device)
+        logits = self.model(ids, view, valid_lengths=valid)
+        self.pool.commit_view(view, self.index)
+        return logits
+
+    def truncate_rows(self, lengths: list[int]) -> None:
+        """Roll rows back to `lengths` tokens (rejected speculative tokens)."""
+        cache = self.cache
+        cache.lengths[: len(lengths)] = torch.minimum(
+            cache.lengths[: len(lengths)], torch.tensor(lengths, dtype=torch.long, device=cache.lengths.device))

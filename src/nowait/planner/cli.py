@@ -1,0 +1,114 @@
+"""`nowait plan SCENARIO.yaml [--json] [--report DIR] [--profile BENCH.json] [--measure-host]`.
+
+`register(app)` adds the command to the main Typer app (src/nowait/cli.py calls it).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import typer
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def _fail(message: str) -> None:
+    """One clear line per problem on stderr and a non-zero exit; no traceback."""
+    for line in message.splitlines():
+        err_console.print(f"[red]error:[/red] {line}", highlight=False)
+    raise typer.Exit(code=2)
+
+
+def _host_snippet(accelerator) -> str:
+    entry = accelerator.model_dump(mode="json")
+    return yaml.safe_dump({"accelerators": [entry], "hardware": {"node": "host", "price_usd_per_hour": 0}},
+                          sort_keys=False)
+
+
+def _print_plan(plan) -> None:
+    from nowait.planner.report import findings, fmt, money
+
+    for w in plan.workloads:
+        table = Table(title=f"{w.workload.name}: route {w.decision.engine}", title_justify="left")
+        for column in ("engine", "single stream tok/s", "batch", "tok/s per node", "nodes", "p99 s", "utilization",
+                       "$ / Mtok"):
+            table.add_column(column, justify="left" if column == "engine" else "right")
+        for name, e in w.engines.items():
+            table.add_row(name, fmt(e.single_stream_tokens_per_s), str(e.batch),
+                          fmt(e.tokens_per_s_per_node), str(e.nodes) if e.feasible else "infeasible",
+                          fmt(e.p99_latency_s) if e.feasible else f">= {fmt(e.min_p99_target_s)}",
+                          f"{e.utilization:.0%}" if e.utilization is not None else "-", money(e.cost_per_mtok_usd))
+        console.print(table)
+        console.print(f"why: {w.decision.reason}", style="dim", highlight=False)
+        for quote in w.apis:
+            allowed = "" if quote.allowed else f" (may not receive {w.workload.data_class.value} data)"
+            console.print(f"API {quote.name}: {money(quote.usd_per_mtok)} / Mtok for these requests{allowed}",
+                          style="dim", highlight=False)
+        console.print()
+    for line in findings(plan):
+        console.print(f"- {line.replace('**', '')}", highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `plan` command to `app`."""
+
+    @app.command("plan")
+    def plan_command(
+        scenario: Path = typer.Argument(None, help="scenario YAML (see examples/bank.yaml and docs/planner.md)"),
+        as_json: bool = typer.Option(False, "--json", help="print one JSON object with a `workloads` list"),
+        report: Path = typer.Option(None, "--report", help="write DIR/<scenario>-report.md and its PNG plots"),
+        profile: Path = typer.Option(None, "--profile", help="measured step times (format in docs/planner.md)"),
+        measure_host: bool = typer.Option(False, "--measure-host",
+                                          help="measure this machine (a few seconds); usable as node 'host'"),
+        measure_seconds: float = typer.Option(3.0, "--measure-seconds", help="time budget of --measure-host"),
+    ) -> None:
+        """Plan the fleet: per workload the route, and per engine nodes, p99, utilization and cost per Mtok."""
+        from nowait.planner.hardware import measure_host as measure
+        from nowait.planner.plan import make_plan, to_json
+        from nowait.planner.profile import ProfileError, load_profile
+        from nowait.planner.scenario import ScenarioError, load_scenario
+
+        if scenario is None and not measure_host:
+            _fail("give a scenario file (e.g. examples/bank.yaml), or --measure-host")
+        host = None
+        if measure_host:
+            started = time.perf_counter()
+            host = measure(budget_s=max(0.2, min(measure_seconds, 10.0)))
+            took = time.perf_counter() - started
+            if scenario is None:
+                if as_json:
+                    print(json.dumps(host.model_dump(mode="json")))
+                else:
+                    peaks = ", ".join(f"{v:g} TFLOP/s {k}" for k, v in host.peak_tflops.items())
+                    console.print(f"host: {peaks}; {host.memory_bandwidth_tb_s * 1000:.1f} GB/s memory bandwidth; "
+                                  f"{host.memory_gb:g} GB (measured in {took:.1f} s)", highlight=False)
+                    console.print("Plan on it with `nowait plan SCENARIO.yaml --measure-host` and "
+                                  "`hardware: {node: host, price_usd_per_hour: 0}`, or paste into the scenario:",
+                                  highlight=False)
+                    console.print(_host_snippet(host), highlight=False, markup=False)
+                return
+            err_console.print(f"measured host in {took:.1f} s: {host.peak_tflops} TFLOP/s, "
+                              f"{host.memory_bandwidth_tb_s * 1000:.1f} GB/s", highlight=False)
+        try:
+            loaded = load_scenario(scenario, host=host)
+            measured = load_profile(profile) if profile is not None else None
+            plan = make_plan(loaded, measured)
+        except (ScenarioError, ProfileError) as error:
+            _fail(str(error))
+        if report is not None:
+            from nowait.planner.report import write_report
+
+            command = f"nowait plan {scenario} --report {report}" + (f" --profile {profile}" if profile else "")
+            path = write_report(plan, report, command)
+            if not as_json:
+                console.print(f"report: {path}", highlight=False)
+        if as_json:
+            print(json.dumps(to_json(plan)))
+            return
+        _print_plan(plan)

@@ -1,0 +1,153 @@
+"""The routing rule of docs/mission.md as one small, pure policy.
+
+Two axes decide where a request goes: can it wait to be batched, and what is each token worth.
+A third, the data class, only ever narrows the choice: restricted data never leaves the building.
+
+    batchable (or a latency budget long enough to wait for a batch)  -> the batch engine (AR, continuous batching)
+    high value (token value >= the policy's threshold)               -> the frontier engine: a remote API if the
+                                                                        data class may go there, else owned
+    latency-bound and low value                                      -> the fast engine (diffusion), with a
+                                                                        fallback to AR below the confidence threshold
+
+The gateway calls `route` per request and `should_fall_back` per diffusion answer; the planner
+calls the same `route` once per workload. Nothing here does I/O, so every decision is reproducible
+from its inputs, and `Decision.reason` is the sentence that goes to the audit log.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class DataClass(str, Enum):
+    public = "public"
+    internal = "internal"
+    restricted = "restricted"  # never leaves the building, whatever a remote engine's config says
+
+
+class RemoteEngine(BaseModel):
+    """An engine outside the building (an external API); it may receive only the data classes listed."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    data_classes: tuple[DataClass, ...] = (DataClass.public,)
+
+    @field_validator("data_classes")
+    @classmethod
+    def _restricted_never_leaves(cls, classes: tuple[DataClass, ...]) -> tuple[DataClass, ...]:
+        if DataClass.restricted in classes:
+            raise ValueError("restricted data never leaves: a remote engine cannot list 'restricted'")
+        return classes
+
+    def may_receive(self, data_class: DataClass) -> bool:
+        return data_class is not DataClass.restricted and data_class in self.data_classes
+
+
+class RoutingPolicy(BaseModel):
+    """The thresholds and engine names the rule needs; the gateway and the planner read it from their configs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    high_value_usd_per_mtok: float = Field(5.0, ge=0, description="a token worth at least this is high value")
+    confidence_threshold: float = Field(0.9, ge=0, le=1, description="diffusion answers below it re-run on AR")
+    batchable_budget_ms: float | None = Field(
+        None, gt=0, description="a latency budget at least this long can wait for a batch (None: only the flag)")
+    owned_engines: tuple[str, ...] = ("ar", "spec", "diffusion")
+    batch_engine: str = "ar"
+    fast_engine: str | None = "diffusion"
+    fallback_engine: str = "ar"
+    owned_frontier_engine: str = "ar"
+    remote_frontier_engines: tuple[RemoteEngine, ...] = ()  # in order of preference
+
+    @model_validator(mode="after")
+    def _engines_exist(self) -> RoutingPolicy:
+        named = {"batch_engine": self.batch_engine, "fallback_engine": self.fallback_engine,
+                 "owned_frontier_engine": self.owned_frontier_engine}
+        if self.fast_engine is not None:
+            named["fast_engine"] = self.fast_engine
+        for field, engine in named.items():
+            if engine not in self.owned_engines:
+                raise ValueError(f"{field}: {engine!r} is not one of the owned engines {list(self.owned_engines)}")
+        return self
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What the rule reads from a request (the gateway's `nowait` fields, or a planner workload)."""
+
+    batchable: bool
+    latency_budget_ms: float | None
+    token_value_usd_per_mtok: float
+    data_class: DataClass = DataClass.internal
+
+
+@dataclass(frozen=True)
+class Decision:
+    engine: str
+    reason: str
+    fallback_engine: str | None = None
+    rule: str = ""  # "batch", "frontier" or "fast": which branch of the rule decided
+
+
+class DataClassViolation(PermissionError):
+    """Raised before anything is sent where the data class forbids it."""
+
+
+def can_wait_for_batch(request: RouteRequest, policy: RoutingPolicy) -> bool:
+    if request.batchable:
+        return True
+    budget = request.latency_budget_ms
+    return policy.batchable_budget_ms is not None and budget is not None and budget >= policy.batchable_budget_ms
+
+
+def is_high_value(request: RouteRequest, policy: RoutingPolicy) -> bool:
+    return request.token_value_usd_per_mtok >= policy.high_value_usd_per_mtok
+
+
+def route(request: RouteRequest, policy: RoutingPolicy) -> Decision:
+    """The engine for one request, and the reason in one sentence."""
+    data_class = DataClass(request.data_class)
+    value = f"${request.token_value_usd_per_mtok:g}/Mtok"
+    if can_wait_for_batch(request, policy):
+        why = "marked batchable" if request.batchable else (
+            f"a {request.latency_budget_ms:g} ms budget can wait for a batch (>= {policy.batchable_budget_ms:g} ms)")
+        return Decision(policy.batch_engine, f"{why}: AR with continuous batching is already efficient "
+                                             f"there, whatever the token value ({value})", rule="batch")
+    if is_high_value(request, policy):
+        threshold = f"${policy.high_value_usd_per_mtok:g}/Mtok"
+        for remote in policy.remote_frontier_engines:
+            if remote.may_receive(data_class):
+                return Decision(remote.name, f"high value ({value} >= {threshold}) and {data_class.value} data "
+                                             f"may go to {remote.name}: the frontier model", rule="frontier")
+        where = ("restricted data never leaves the building" if data_class is DataClass.restricted
+                 else f"no remote frontier engine may receive {data_class.value} data"
+                 if policy.remote_frontier_engines else "no remote frontier engine is configured")
+        return Decision(policy.owned_frontier_engine,
+                        f"high value ({value} >= {threshold}) and {where}: the owned frontier engine", rule="frontier")
+    if policy.fast_engine is None:
+        return Decision(policy.batch_engine, "latency-bound but no fast (diffusion) engine is configured: AR",
+                        rule="fast")
+    budget = "no stated budget" if request.latency_budget_ms is None else f"a {request.latency_budget_ms:g} ms budget"
+    return Decision(policy.fast_engine,
+                    f"latency-bound ({budget}) and low value ({value}): diffusion clears a request in a few "
+                    f"parallel passes; answers below confidence {policy.confidence_threshold:g} re-run on "
+                    f"{policy.fallback_engine}", fallback_engine=policy.fallback_engine, rule="fast")
+
+
+def should_fall_back(confidence: float, policy: RoutingPolicy) -> bool:
+    """A diffusion answer below the threshold is re-run on the fallback engine (both runs are paid for)."""
+    return confidence < policy.confidence_threshold
+
+
+def check_destination(engine: str, data_class: DataClass, policy: RoutingPolicy) -> None:
+    """Refuse to send `data_class` to a remote engine that may not receive it (the last check before I/O)."""
+    data_class = DataClass(data_class)
+    for remote in policy.remote_frontier_engines:
+        if remote.name == engine and not remote.may_receive(data_class):
+            raise DataClassViolation(f"{data_class.value} data may not be sent to remote engine {engine!r}")
+    if engine not in policy.owned_engines and engine not in {r.name for r in policy.remote_frontier_engines}:
+        raise DataClassViolation(f"unknown engine {engine!r}: neither owned nor a configured remote engine")

@@ -1,0 +1,72 @@
+"""The AR eval helper, the `spec` / `ar-structured` bench entries and `bench batching`, on a tiny model."""
+
+from __future__ import annotations
+
+import pytest
+
+from nowait import paths
+from nowait.bench.ar_entries import (
+    ar_structured_entry,
+    build_spec_engine,
+    decode_documents_with,
+    run_engine_eval,
+    spec_entry,
+)
+from nowait.bench.batching import measure_batching
+from nowait.engines.autoregressive import AutoregressiveEngine, EngineConfig
+from nowait.extraction.corpus import documents
+from nowait.tokenizer import TextCodec
+from tests.conftest import build_model
+
+EVAL_FIELDS = ("field_accuracy", "doc_accuracy", "json_valid_rate", "forwards_per_doc", "tokens_per_forward",
+               "latency_ms_p50", "latency_ms_p95")
+
+
+@pytest.fixture(scope="module")
+def codec() -> TextCodec:
+    return TextCodec.from_file(paths.tokenizer_path())
+
+
+@pytest.fixture(scope="module")
+def model(codec):
+    return build_model(0, vocab_size=codec.vocab_size, max_position=1024)
+
+
+def test_decode_documents_with_keeps_order_and_matches_one_at_a_time(codec, model):
+    docs = documents("test", 3)
+    engine = AutoregressiveEngine(model, codec, EngineConfig(max_num_seqs=2))
+    batched = decode_documents_with(engine, docs, codec, max_tokens=6)
+    alone = decode_documents_with(engine, docs, codec, one_at_a_time=True, max_tokens=6)
+    assert [c.token_ids for c in batched] == [c.token_ids for c in alone]
+    assert [c.request_id for c in batched] == [d.doc_id for d in docs]
+
+
+def test_run_engine_eval_reports_the_eval_fields(codec, model):
+    engine = build_spec_engine(model, codec, "ngram", config=EngineConfig(max_num_seqs=2))
+    result = run_engine_eval(engine, codec, n=2, split="validation")
+    assert all(field in result for field in EVAL_FIELDS)
+    assert result["settings"]["engine"] == "spec" and "speculative (ngram" in result["settings"]["decoding"]
+
+
+def test_spec_entry_compares_methods_with_plain_ar(codec, model):
+    docs = documents("test", 2)
+    entry = spec_entry(model, codec, docs, draft=build_model(1, vocab_size=codec.vocab_size, num_layers=1), gamma=3)
+    assert all(field in entry for field in EVAL_FIELDS)
+    assert entry["engine"] == "spec" and entry["method"] in ("ngram", "draft")
+    assert set(entry["methods"]) == {"ngram", "draft"}
+    assert all(m["greedy_identical_to_ar"] for m in entry["methods"].values())
+    assert "latency_ms_p50" in entry["ar"] and entry["speedup_p50_vs_ar"] > 0
+
+
+def test_ar_structured_entry_measures_the_mask(codec, model):
+    entry = ar_structured_entry(model, codec, documents("test", 1))
+    assert all(field in entry for field in EVAL_FIELDS)
+    assert entry["engine"] == "ar-structured" and entry["grammar_mask_us_per_token"] > 0
+
+
+def test_measure_batching_compares_batched_and_sequential(codec, model):
+    results = measure_batching(model, codec, documents("test", 3), concurrency=(1, 3), max_tokens=4)
+    assert [r["concurrency"] for r in results] == [1, 3]
+    for r in results:
+        assert r["batched_tokens_per_s"] > 0 and r["sequential_tokens_per_s"] > 0
+        assert r["outputs_identical"]

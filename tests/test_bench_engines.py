@@ -1,0 +1,112 @@
+"""`nowait bench engines` and `nowait eval --engine diffusion` on tiny checkpoints (smoke runs)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from nowait.bench.engines import DEFAULT_ENTRIES, ENTRIES, BenchContext, ratios, register_entry, run_bench
+from nowait.checkpoints import save_pretrained
+from nowait.cli import app
+from nowait.extraction.corpus import documents
+
+from .conftest import build_model
+
+runner = CliRunner()
+EVAL_FIELDS = ("field_accuracy", "doc_accuracy", "json_valid_rate", "forwards_per_doc", "tokens_per_forward",
+               "latency_ms_p50", "latency_ms_p95")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, codec):
+    root = tmp_path_factory.mktemp("bench")
+    ar = save_pretrained(build_model(vocab_size=codec.vocab_size, max_position=1024), codec, root / "ar")
+    diffusion = save_pretrained(build_model(vocab_size=codec.vocab_size, causal=False, logits_shift=True,
+                                            mask_token_id=codec.mask_id, max_position=1024), codec, root / "diffusion")
+    return {"ar": str(ar), "diffusion": str(diffusion)}
+
+
+def last_json(output: str) -> dict:
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def test_bench_engines_runs_every_configuration_on_the_same_documents(checkpoints):
+    result = runner.invoke(app, ["bench", "engines", "--n", "1", "--json", "--ar-model", checkpoints["ar"],
+                                 "--diffusion-model", checkpoints["diffusion"]])
+    assert result.exit_code == 0, result.output
+    report = last_json(result.output)
+    assert [e["name"] for e in report["engines"]] == list(DEFAULT_ENTRIES)
+    for entry in report["engines"]:
+        assert all(field in entry for field in EVAL_FIELDS), entry["name"]
+        assert entry["n"] == 1
+    by_name = {e["name"]: e for e in report["engines"]}
+    assert by_name["diffusion-reference"]["tokens_per_forward"] <= 1.0  # one position per forward
+    assert by_name["diffusion-structured"]["json_valid_rate"] == 1.0  # valid by construction
+    assert set(report["ratios"]["latency_p50"]) == {"ar/diffusion", "diffusion-reference/diffusion",
+                                                    "diffusion-structured/diffusion"}
+    assert report["settings"]["batch_size"] == 1
+
+
+def test_bench_engines_fails_clearly(checkpoints, tmp_path):
+    result = runner.invoke(app, ["bench", "engines", "--n", "1", "--only", "diffusion",
+                                 "--diffusion-model", str(tmp_path / "missing")])
+    assert result.exit_code != 0 and "diffusion model" in result.output and "Traceback" not in result.output
+    result = runner.invoke(app, ["bench", "engines", "--n", "1", "--only", "warp-drive"])
+    assert result.exit_code != 0 and "unknown entry warp-drive" in result.output
+
+
+def test_registry_takes_new_entries(checkpoints):
+    @register_entry("fake")
+    def fake(ctx: BenchContext) -> dict:
+        return {"field_accuracy": 0.5, "latency_ms_p50": 30.0, "docs": len(ctx.docs)}
+
+    try:
+        ctx = BenchContext(docs=documents("test", 2), model_paths=checkpoints)
+        report = run_bench(ctx, ["fake"])
+        assert report["engines"] == [{"name": "fake", "field_accuracy": 0.5, "latency_ms_p50": 30.0, "docs": 2}]
+    finally:
+        ENTRIES.pop("fake")
+
+
+def test_ratios_compare_with_the_fast_default():
+    entries = [{"name": "ar", "latency_ms_p50": 300.0, "field_accuracy": 0.9},
+               {"name": "diffusion", "latency_ms_p50": 100.0, "field_accuracy": 0.88}]
+    assert ratios(entries) == {"latency_p50": {"ar/diffusion": 3.0}, "field_accuracy": {"diffusion/ar": 0.9778}}
+    assert ratios(entries[:1]) == {"latency_p50": {}, "field_accuracy": {}}
+
+
+@pytest.mark.parametrize("flags", [
+    [],
+    ["--policy", "fixed", "--cache", "none", "--block", "32"],
+    ["--policy", "factor", "--cache", "prefix", "--structured"],
+])
+def test_eval_diffusion_reports_speed_fields_and_settings(checkpoints, flags):
+    result = runner.invoke(app, ["eval", "--engine", "diffusion", "--n", "2", "--batch-size", "2", "--json",
+                                 "--model", checkpoints["diffusion"], *flags])
+    assert result.exit_code == 0, result.output
+    report = last_json(result.output)
+    assert all(field in report for field in EVAL_FIELDS)
+    settings = report["settings"]
+    assert settings["structured"] == ("--structured" in flags)
+    if flags:
+        assert settings["policy"] == flags[1] and settings["cache"] == flags[3]
+    if "--structured" in flags:
+        assert report["json_valid_rate"] == 1.0
+
+
+@pytest.mark.parametrize(("flags", "fragment"), [
+    (["--engine", "diffusion", "--tau", "1.5"], "tau"),
+    (["--engine", "diffusion", "--block", "0"], "block"),
+    (["--engine", "diffusion", "--cache", "everything"], "cache"),
+    (["--engine", "diffusion", "--policy", "random"], "policy"),
+    (["--engine", "ar", "--policy", "threshold"], "diffusion only"),
+    (["--engine", "ar", "--structured"], "--structured"),
+])
+def test_eval_refuses_bad_diffusion_flags_in_one_line(checkpoints, flags, fragment):
+    model = checkpoints["diffusion" if "diffusion" in flags else "ar"]
+    result = runner.invoke(app, ["eval", "--n", "1", "--model", model, *flags])
+    assert result.exit_code != 0
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in result.output, result.output

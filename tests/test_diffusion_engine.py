@@ -1,0 +1,274 @@
+"""The diffusion engine on tiny random models: reference equality, cache exactness, early stop,
+batching, streaming, the Completion record and bad requests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nowait.engines.base import Engine, GenerationRequest, InvalidRequestError, SamplingParams
+from nowait.engines.diffusion import reference_decode
+from nowait.engines.diffusion_cache import forward_spans, prefill
+from nowait.engines.diffusion_engine import DiffusionEngine
+from nowait.engines.diffusion_request import DiffusionOptions
+from nowait.engines.diffusion_row import RowState
+from nowait.model import block_causal_mask
+
+from .conftest import build_model
+
+
+class Wrapped:
+    """A Transformer seen through a hook: records each call and may bias the logits.
+
+    `end_from`: the end token becomes certain at every position >= end_from (absolute) and
+    impossible before it; None leaves the end token alone. `block_causal`: uncached forwards
+    attend under block_causal_mask(prefix) (the attention pattern the prompt cache is exact for).
+    """
+
+    def __init__(self, model, end_id: int, end_from: int | None = None, block_causal: int | None = None,
+                 no_end: bool = False, end_bias: float = 0.0) -> None:
+        self.model, self.config = model, model.config
+        self.end_id, self.end_from, self.block_causal, self.no_end = end_id, end_from, block_causal, no_end
+        self.end_bias = end_bias
+        self.calls: list[dict] = []
+
+    def output_weight(self):
+        return self.model.output_weight()
+
+    def eval(self):
+        return self
+
+    def __call__(self, ids, cache=None, valid_lengths=None, write_cache=True, attention_mask=None, positions=None):
+        if cache is None and self.block_causal is not None:
+            attention_mask = block_causal_mask(self.block_causal, ids.shape[1])[None].expand(ids.shape[0], -1, -1)
+        seen = positions
+        if seen is None:
+            start = cache.lengths[:, None] if cache is not None else torch.zeros(ids.shape[0], 1, dtype=torch.long)
+            seen = start + torch.arange(ids.shape[1])
+        valid = valid_lengths if valid_lengths is not None else torch.full((ids.shape[0],), ids.shape[1])
+        self.calls.append({"positions": seen.clone(), "write": cache is not None and write_cache,
+                           "cached": cache is not None, "valid": valid.clone()})
+        logits = self.model(ids, cache, valid_lengths=valid_lengths, write_cache=write_cache,
+                            attention_mask=attention_mask, positions=positions).clone()
+        if self.no_end:
+            logits[..., self.end_id] -= 30
+        logits[..., self.end_id] += self.end_bias
+        if self.end_from is not None:
+            predicted = seen + int(self.config.logits_shift)
+            logits[..., self.end_id] += torch.where(predicted >= self.end_from, 60.0, -60.0)
+        return logits
+
+
+def diffusion_model(codec, shift: bool = True, seed: int = 0):
+    return build_model(seed, vocab_size=codec.vocab_size, causal=False, logits_shift=shift,
+                       mask_token_id=codec.mask_id)
+
+
+def prompts_of(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, 300, (n,), generator=generator).tolist() for n in lengths]
+
+
+def request(prompt, max_tokens=12, temperature=0.0, seed=None, **options) -> GenerationRequest:
+    return GenerationRequest(prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed),
+                             options=options)
+
+
+def test_engine_implements_the_protocol(codec):
+    engine = DiffusionEngine(diffusion_model(codec), codec)
+    assert isinstance(engine, Engine) and engine.kind == "diffusion"
+    with pytest.raises(ValueError, match="causal"):
+        DiffusionEngine(build_model(vocab_size=codec.vocab_size), codec)
+
+
+@pytest.mark.parametrize("shift", [False, True])
+@pytest.mark.parametrize("end_bias", [0.0, 2.5, 3.0])
+def test_fixed_policy_without_cache_equals_the_reference_decoder(codec, shift, end_bias):
+    """One position per forward, no cache: LLaDA's reference schedule, token for token (with
+    the end token made likely too, so that answers stop early in both decoders)."""
+    model = Wrapped(diffusion_model(codec, shift), codec.end_id, end_bias=end_bias)
+    prompts = prompts_of([5, 9, 3])
+    expected = reference_decode(model, prompts, 12, 4, codec.mask_id, codec.end_id)
+    engine = DiffusionEngine(model, codec, DiffusionOptions(policy="fixed", block=4, cache="none"))
+    completions = engine.generate([request(p) for p in prompts])
+    assert [c.token_ids for c in completions] == expected
+
+
+@pytest.mark.parametrize("shift", [False, True])
+@pytest.mark.parametrize("policy", ["fixed", "threshold"])
+def test_prompt_cache_equals_no_cache_under_block_causal_attention(codec, shift, policy):
+    """Prefilling the prompt once is exact for the attention pattern in which the prompt (all
+    but its last token when logits are shifted) attends only to itself."""
+    model = diffusion_model(codec, shift, seed=1)
+    for prompt in prompts_of([6, 11], seed=1):
+        reference = Wrapped(model, codec.end_id, block_causal=len(prompt) - int(shift))
+        options = {"policy": policy, "tau": 0.02, "block": 4}
+        [exact] = DiffusionEngine(reference, codec).generate([request(prompt, cache="none", **options)])
+        [cached] = DiffusionEngine(model, codec).generate([request(prompt, cache="prompt", **options)])
+        assert cached.token_ids == exact.token_ids
+        assert cached.token_confidences == pytest.approx(exact.token_confidences, abs=1e-5)
+
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_block_caches_equal_the_prompt_cache_when_each_block_takes_one_step(codec, shift):
+    """A refresh forward is the prompt-cache forward, so when every block is decided by it the
+    prefix and dual caches are exact."""
+    model = diffusion_model(codec, shift, seed=2)
+    prompts = prompts_of([4, 8], seed=2)
+    outputs = {}
+    for mode in ("prompt", "prefix", "dual"):
+        engine = DiffusionEngine(model, codec, DiffusionOptions(tau=1e-9, block=4, cache=mode))
+        outputs[mode] = engine.generate([request(p, max_tokens=12) for p in prompts])
+    for mode in ("prefix", "dual"):
+        assert [c.token_ids for c in outputs[mode]] == [c.token_ids for c in outputs["prompt"]]
+
+
+@pytest.mark.parametrize("shift", [False, True])
+@pytest.mark.parametrize("mode", ["prefix", "dual"])
+def test_a_block_step_reuses_the_refreshed_cache_exactly(codec, shift, mode):
+    """Right after a refresh, a step over the same tokens reads the cached prefix (and suffix)
+    and must give the refresh's own logits for the block: positions, slots and the cut agree."""
+    model = diffusion_model(codec, shift, seed=3)
+    engine = DiffusionEngine(model, codec, DiffusionOptions(block=4, cache=mode))
+    rows = [RowState(engine.plan(request(p, max_tokens=12)), i, shift, codec.mask_id, torch.device("cpu"))
+            for i, p in enumerate(prompts_of([5, 9], seed=3))]
+    for block_index in (0, 1, 2):
+        for row in rows:
+            row.block_index = block_index
+            lo, _ = row.block
+            row.window[:lo] = torch.arange(10, 10 + lo)  # earlier blocks committed
+        capacity = 64
+        with torch.no_grad():
+            cache = prefill(model, [r.tokens[: r.prompt_prefix] for r in rows], capacity, codec.end_id)
+            spans = [r.refresh_span() for r in rows]
+            refresh = forward_spans(model, [s for s, _ in spans], [s for _, s in spans], codec.end_id, cache, True)
+            for i, row in enumerate(rows):
+                row.keep_block_cache(cache, i, mode)
+            steps = [r.step_span(mode) for r in rows]
+            step = forward_spans(model, [s for s, _ in steps], [s for _, s in steps], codec.end_id, cache, False)
+            # The refresh itself equals a plain forward in which the cached prompt sees only itself.
+            for i, row in enumerate(rows):
+                mask = block_causal_mask(row.prompt_prefix, row.total_length)[None]
+                full = model(row.tokens[None], attention_mask=mask)[0]
+                assert torch.allclose(row.block_logits(full, 0), row.block_logits(refresh[i], spans[i][1]), atol=1e-4)
+                assert torch.allclose(row.block_logits(step[i], steps[i][1]),
+                                      row.block_logits(refresh[i], spans[i][1]), atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["none", "prompt", "prefix", "dual"])
+def test_early_stop_never_computes_past_the_end(codec, mode):
+    """The end token is certain from window position 6 on: block 1 (positions 4-7) holds it,
+    so blocks 2 and 3 are never decoded and no forward ever decodes past block 1."""
+    prompt = prompts_of([7], seed=4)[0]
+    end_at = len(prompt) + 6
+    model = Wrapped(diffusion_model(codec), codec.end_id, end_from=end_at)
+    engine = DiffusionEngine(model, codec, DiffusionOptions(block=4, cache=mode))
+    [completion] = engine.generate([request(prompt, max_tokens=16)])
+    assert len(completion.token_ids) == 6 and completion.finish_reason == "stop"
+    assert completion.forwards == len(model.calls)
+    window_start = len(prompt)
+    if mode == "dual":  # each step forwards only its block (and the token before it)
+        steps = [c for c in model.calls if c["cached"] and not c["write"]]
+        assert steps and all(int(c["positions"][0, c["valid"][0] - 1]) < window_start + 8 for c in steps)
+    if mode in ("prefix", "dual"):
+        refreshes = [c for c in model.calls if c["write"] and int(c["positions"][0, 0]) >= window_start - 1]
+        assert len(refreshes) == 2  # blocks 0 and 1 only
+    # Every forward that decided something was for blocks 0 or 1: at most 8 positions to fill,
+    # the end token's block committed in one go after its earlier positions.
+    assert completion.forwards <= 1 + 8
+
+
+def test_batched_run_equals_the_same_requests_run_alone(codec):
+    model = diffusion_model(codec, seed=5)
+    prompts = prompts_of([3, 12, 7, 5, 9], seed=5)
+    requests = [
+        request(prompts[0], max_tokens=4, block=4),
+        request(prompts[1], max_tokens=20, policy="fixed", steps=2, block=5),
+        request(prompts[2], max_tokens=12, temperature=0.8, seed=11, tau=0.05),
+        request(prompts[3], max_tokens=16, policy="factor", factor=2.0, score="margin"),
+        request(prompts[4], max_tokens=9, block=3, score="entropy", tau=0.3),
+    ]
+    for mode in ("none", "prompt", "prefix", "dual"):
+        for r in requests:
+            r.options["cache"] = mode
+        engine = DiffusionEngine(model, codec, max_batch=3)  # five requests: two join later
+        batched = engine.generate(requests)
+        alone = [engine.generate([r])[0] for r in requests]
+        for together, single in zip(batched, alone, strict=True):
+            assert together.token_ids == single.token_ids, mode
+            assert together.forwards == single.forwards
+            assert together.token_confidences == pytest.approx(single.token_confidences, abs=1e-5)
+        # The short request left as soon as it was done, long before the longest one.
+        assert batched[0].forwards < batched[1].forwards
+        assert batched[0].timings.total_s < batched[1].timings.total_s
+
+
+def test_seeded_sampling_is_reproducible_and_differs_by_seed(codec):
+    engine = DiffusionEngine(diffusion_model(codec, seed=6), codec)
+    prompt = prompts_of([6], seed=6)[0]
+    first, again, other = engine.generate([request(prompt, 16, 1.0, seed) for seed in (1, 1, 2)])
+    assert first.token_ids == again.token_ids and first.token_ids != other.token_ids
+
+
+def test_fixed_steps_per_block(codec):
+    model = Wrapped(diffusion_model(codec, seed=7), codec.end_id, no_end=True)
+    engine = DiffusionEngine(model, codec, DiffusionOptions(policy="fixed", steps=2, block=4, cache="none"))
+    [completion] = engine.generate([request(prompts_of([5])[0], max_tokens=8)])
+    assert completion.forwards == 4 and completion.tokens_per_forward == 2.0
+
+
+def test_stream_sends_each_block_then_the_completion(codec):
+    model = Wrapped(diffusion_model(codec, seed=8), codec.end_id, no_end=True)
+    engine = DiffusionEngine(model, codec, DiffusionOptions(block=4))
+    chunks = list(engine.stream(request(prompts_of([6], seed=8)[0], max_tokens=12)))
+    assert [c.completion is None for c in chunks] == [True] * (len(chunks) - 1) + [False]
+    assert 2 <= len(chunks) <= 3  # blocks 0 and 1, then the last block with the completion
+    completion = chunks[-1].completion
+    assert "".join(c.text for c in chunks) == completion.text
+    assert [t for c in chunks for t in c.token_ids] == completion.token_ids
+    assert completion.finish_reason == "length" and len(completion.token_ids) == 12
+
+
+def test_completion_record(codec):
+    prompt = prompts_of([7], seed=9)[0]
+    model = Wrapped(diffusion_model(codec, seed=9), codec.end_id, end_from=len(prompt) + 5)
+    [c] = DiffusionEngine(model, codec, DiffusionOptions(block=4)).generate([request(prompt, max_tokens=12)])
+    assert c.engine == "diffusion" and c.prompt_tokens == 7 and c.completion_tokens == 5
+    assert c.text == codec.decode(c.token_ids) and c.finish_reason == "stop"
+    assert len(c.token_confidences) == 5 and all(0 < p <= 1 for p in c.token_confidences)
+    # The minimum over the answer's tokens and the end token that closes it.
+    assert 0 < c.confidence <= min(c.token_confidences)
+    assert c.confidence_kind == "min_token_probability"
+    assert c.tokens_per_forward == pytest.approx(5 / c.forwards)
+    t = c.timings
+    assert 0 <= t.queued_s <= t.first_token_s <= t.total_s
+
+
+@pytest.mark.parametrize(("change", "fragment"), [
+    ({"options": {"block": 0}}, "block"),
+    ({"options": {"block": -2}}, "block"),
+    ({"options": {"tau": 0}}, "tau"),
+    ({"options": {"tau": 1.5}}, "tau"),
+    ({"options": {"tau": "high"}}, "tau"),
+    ({"options": {"cache": "everything"}}, "cache"),
+    ({"options": {"policy": "random"}}, "policy"),
+    ({"options": {"steps": 0}}, "steps"),
+    ({"options": {"factor": 0}}, "factor"),
+    ({"options": {"temperature": 1}}, "unknown diffusion option"),
+    ({"prompt_ids": []}, "prompt_ids is empty"),
+    ({"prompt_ids": [5, 10_000]}, "prompt_ids"),
+    ({"sampling": SamplingParams(max_tokens=0)}, "max_tokens"),
+    ({"sampling": SamplingParams(max_tokens=600)}, "positions"),
+    ({"schema": {"type": "object", "properties": {"a": {"type": "array"}}}}, "schema"),
+    ({"schema": {"type": "object", "properties": {"a": {"type": "string"}}},
+      "sampling": SamplingParams(max_tokens=3)}, "max_tokens"),
+])
+def test_bad_requests_are_refused_before_any_work(codec, change, fragment):
+    model = Wrapped(diffusion_model(codec), codec.end_id)
+    engine = DiffusionEngine(model, codec)
+    bad = GenerationRequest(**{"prompt_ids": [5, 6, 7], **change})
+    with pytest.raises(InvalidRequestError, match=fragment):
+        engine.generate([request([5, 6]), bad])
+    with pytest.raises(InvalidRequestError, match=fragment):
+        engine.stream(bad)  # refused at the call, not at the first chunk
+    assert model.calls == []

@@ -1,0 +1,69 @@
+"""The bank example reproduces mission.md's orders of magnitude, from the formulas."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nowait.planner import load_scenario, make_plan, to_json
+
+BANK = Path(__file__).resolve().parents[1] / "examples" / "bank.yaml"
+
+
+@pytest.fixture(scope="module")
+def bank() -> dict:
+    return {w["name"]: w for w in to_json(make_plan(load_scenario(BANK)))["workloads"]}
+
+
+def test_routes_follow_the_rule(bank):
+    assert bank["overnight-kyc"]["route"] == "ar"  # batchable
+    assert bank["realtime-onboarding"]["route"] == "diffusion"  # latency-bound, low value
+    assert bank["realtime-onboarding"]["fallback"] == "ar"
+    assert bank["credit-memos"]["route"] == "spec"  # high value, restricted: the owned frontier
+    assert "restricted data never leaves" in bank["credit-memos"]["reason"]
+
+
+def test_single_stream_is_tens_of_tokens_per_s_under_a_ceiling_near_190(bank):
+    ar = bank["realtime-onboarding"]["engines"]["ar"]
+    assert 10 <= ar["single_stream_tokens_per_s"] < 100
+    assert 170 <= ar["roofline_ceiling_tokens_per_s"] <= 200
+
+
+def test_batched_ar_reaches_thousands_of_tokens_per_s_per_node(bank):
+    ar = bank["overnight-kyc"]["engines"]["ar"]
+    assert ar["tokens_per_s_per_node"] >= 1000
+    assert ar["batch"] >= 64 and ar["nodes"] is not None
+
+
+def test_realtime_diffusion_needs_a_fraction_of_ar_or_ar_is_infeasible(bank):
+    engines = bank["realtime-onboarding"]["engines"]
+    diffusion, ar = engines["diffusion"], engines["ar"]
+    assert diffusion["nodes"] is not None and diffusion["p99_latency_s"] <= 1.0
+    assert ar["nodes"] is None or diffusion["nodes"] < ar["nodes"]
+    if ar["nodes"] is None:
+        assert ar["p99_latency_s"] > 1.0 and ar["min_p99_target_s"] > 1.0 and "infeasible" in ar["note"]
+        assert ar["cost_per_mtok_usd"] is None and ar["utilization"] is None
+
+
+def test_costs_are_consistent_with_the_identity(bank):
+    ar = bank["overnight-kyc"]["engines"]["ar"]
+    expected = 33.0 / (ar["tokens_per_s_per_node"] * 3600 * ar["utilization"]) * 1e6
+    assert ar["cost_per_mtok_usd"] == pytest.approx(expected, rel=2e-3)
+    apis = {a["name"]: a for a in bank["overnight-kyc"]["apis"]}
+    assert apis["frontier-api"]["allowed"] is False  # restricted data never leaves
+
+
+def test_a_draft_model_and_a_mixture_of_experts_plan_end_to_end():
+    from nowait.planner import parse_scenario
+
+    workload = {"name": "chat", "arrival_rate_per_s": 2, "input_tokens": 500, "output_tokens": 100,
+                "p99_latency_s": 5, "token_value_usd_per_mtok": 1}
+    base = {"hardware": {"node": "8xH100-SXM"}, "workloads": [workload], "simulation": {"requests": 200}}
+    drafted = parse_scenario({**base, "model": "llama-3-8b",
+                              "engines": {"spec": {"draft_model": "llama-3.2-1b", "acceptance_rate": 0.8}}})
+    engines = to_json(make_plan(drafted))["workloads"][0]["engines"]
+    assert engines["spec"]["single_stream_tokens_per_s"] > engines["ar"]["single_stream_tokens_per_s"]
+    moe = to_json(make_plan(parse_scenario({**base, "model": "mixtral-8x7b", "tensor_parallel": 2})))
+    assert moe["model"]["parameters"] == pytest.approx(46.7e9, rel=0.01)
+    assert moe["workloads"][0]["engines"]["ar"]["nodes"] is not None

@@ -1,0 +1,98 @@
+"""The routing rule: one test per quadrant, and data-class enforcement."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from nowait.router import (
+    DataClass,
+    DataClassViolation,
+    RemoteEngine,
+    RouteRequest,
+    RoutingPolicy,
+    check_destination,
+    route,
+    should_fall_back,
+)
+
+FRONTIER_API = RemoteEngine(name="frontier-api", data_classes=(DataClass.public, DataClass.internal))
+POLICY = RoutingPolicy(high_value_usd_per_mtok=5.0, confidence_threshold=0.9, owned_frontier_engine="spec",
+                       remote_frontier_engines=(FRONTIER_API,))
+
+
+def request(batchable=False, budget_ms=800.0, value=0.5, data_class=DataClass.internal) -> RouteRequest:
+    return RouteRequest(batchable=batchable, latency_budget_ms=budget_ms, token_value_usd_per_mtok=value,
+                        data_class=data_class)
+
+
+def test_batchable_goes_to_ar_whatever_its_value():
+    for value in (0.1, 50.0):
+        decision = route(request(batchable=True, value=value, budget_ms=None), POLICY)
+        assert (decision.engine, decision.rule, decision.fallback_engine) == ("ar", "batch", None)
+        assert "continuous batching" in decision.reason
+
+
+def test_latency_bound_low_value_goes_to_diffusion_with_ar_fallback():
+    decision = route(request(value=0.5, budget_ms=800), POLICY)
+    assert (decision.engine, decision.fallback_engine, decision.rule) == ("diffusion", "ar", "fast")
+    assert "800 ms" in decision.reason and "0.9" in decision.reason
+
+
+def test_high_value_goes_to_the_remote_frontier_when_the_data_may_leave():
+    decision = route(request(value=20.0, data_class=DataClass.internal), POLICY)
+    assert (decision.engine, decision.rule) == ("frontier-api", "frontier")
+
+
+def test_high_value_restricted_stays_on_the_owned_frontier():
+    decision = route(request(value=20.0, data_class=DataClass.restricted), POLICY)
+    assert decision.engine == "spec"
+    assert "restricted data never leaves" in decision.reason
+
+
+def test_high_value_without_an_allowed_remote_uses_the_owned_frontier():
+    public_only = POLICY.model_copy(update={"remote_frontier_engines": (RemoteEngine(name="api"),)})
+    decision = route(request(value=20.0, data_class=DataClass.internal), public_only)
+    assert decision.engine == "spec"
+    assert "no remote frontier engine may receive internal data" in decision.reason
+
+
+def test_threshold_is_inclusive_and_long_budgets_can_opt_into_batching():
+    assert route(request(value=5.0), POLICY).rule == "frontier"
+    assert route(request(value=4.99), POLICY).rule == "fast"
+    patient = POLICY.model_copy(update={"batchable_budget_ms": 60_000})
+    assert route(request(budget_ms=120_000), patient).engine == "ar"
+    assert route(request(budget_ms=120_000), POLICY).engine == "diffusion"  # off by default: only the flag
+
+
+def test_confidence_fallback():
+    assert should_fall_back(0.5, POLICY) and not should_fall_back(0.9, POLICY)
+
+
+def test_a_remote_engine_cannot_be_configured_to_receive_restricted_data():
+    with pytest.raises(ValidationError, match="restricted data never leaves"):
+        RemoteEngine(name="api", data_classes=(DataClass.public, DataClass.restricted))
+
+
+def test_check_destination_refuses_what_the_data_class_forbids():
+    check_destination("frontier-api", DataClass.internal, POLICY)
+    check_destination("diffusion", DataClass.restricted, POLICY)
+    for data_class in (DataClass.restricted,):
+        with pytest.raises(DataClassViolation):
+            check_destination("frontier-api", data_class, POLICY)
+    with pytest.raises(DataClassViolation, match="unknown engine"):
+        check_destination("elsewhere", DataClass.public, POLICY)
+
+
+def test_no_restricted_request_is_ever_routed_to_a_remote_engine():
+    remote_names = {r.name for r in POLICY.remote_frontier_engines}
+    for batchable in (False, True):
+        for value in (0.0, 1.0, 5.0, 100.0):
+            for budget in (None, 100.0, 10_000.0):
+                decision = route(request(batchable, budget, value, DataClass.restricted), POLICY)
+                assert decision.engine not in remote_names
+
+
+def test_policy_rejects_engines_it_does_not_own():
+    with pytest.raises(ValidationError, match="fast_engine"):
+        RoutingPolicy(fast_engine="mercury")

@@ -1,0 +1,237 @@
+"""Speculative decoding: the target's distribution is preserved, greedy output is the target's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nowait.engines.autoregressive import AutoregressiveEngine, EngineConfig
+from nowait.engines.base import GenerationRequest, SamplingParams
+from nowait.engines.speculative import (
+    IncompatibleDraftError,
+    SpeculativeConfig,
+    SpeculativeEngine,
+    expected_tokens_per_pass,
+    propose_ngram,
+    should_speculate,
+    speculative_accept,
+)
+from tests.conftest import build_model
+
+END = 0
+# chi-square critical values at p = 0.001 (the tests are seeded, so they are deterministic)
+CHI2_999 = {5: 20.52, 24: 51.18}
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def random_distributions(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, vocab, generator=g) * 1.2).softmax(-1)
+
+
+@pytest.mark.parametrize("point_mass", [False, True])
+def test_one_proposal_leaves_the_target_distribution(point_mass):
+    """Leviathan et al. 2023, Theorem 1: draft ~ q, accept w.p. min(1, p/q), else the
+    residual; the emitted token is distributed as p (for a model draft and for a fixed one)."""
+    vocab, trials = 6, 60_000
+    p, q = random_distributions(2, vocab, seed=3)
+    g = torch.Generator().manual_seed(0)
+    if point_mass:  # prompt lookup: always the same proposal, q = delta
+        drafts = torch.full((trials, 1), int(q.argmax()))
+        draft_probs = None
+    else:
+        drafts = torch.multinomial(q, trials, replacement=True, generator=g)[:, None]
+        draft_probs = q.expand(trials, 1, vocab)
+    target = torch.stack([p, p]).expand(trials, 2, vocab)  # p after the proposal: unused here
+    accepted, following = speculative_accept(drafts, torch.ones(trials, dtype=torch.long), target, draft_probs,
+                                             torch.rand(trials, 1, generator=g), torch.rand(trials, generator=g))
+    first = torch.where(accepted == 1, drafts[:, 0], following)
+    counts = torch.bincount(first, minlength=vocab).float()
+    assert chi_square(counts, p) < CHI2_999[vocab - 1]
+    if not point_mass:  # acceptance rate is sum_x min(p, q) (Leviathan et al. 2023, section 3.3)
+        assert accepted.float().mean().item() == pytest.approx(torch.minimum(p, q).sum().item(), abs=0.01)
+
+
+def test_a_chain_of_proposals_leaves_the_joint_target_distribution():
+    """Two drafted tokens with context-dependent p and q: the first two emitted tokens are
+    distributed as p1(a) p2(b | a); when only one is emitted, the next step draws b from p2."""
+    vocab, trials = 5, 80_000
+    g = torch.Generator().manual_seed(1)
+    p1, q1 = random_distributions(2, vocab, seed=10)
+    p2 = random_distributions(vocab, vocab, seed=11)  # p2[a] = p(. | a)
+    q2 = random_distributions(vocab, vocab, seed=12)
+    p3 = random_distributions(vocab, vocab, seed=13)  # after both proposals (depends on the 2nd)
+    x1 = torch.multinomial(q1, trials, replacement=True, generator=g)
+    x2 = torch.multinomial(q2[x1], 1, generator=g)[:, 0]
+    target = torch.stack([p1.expand(trials, -1), p2[x1], p3[x2]], dim=1)
+    draft = torch.stack([q1.expand(trials, -1), q2[x1]], dim=1)
+    accepted, following = speculative_accept(torch.stack([x1, x2], 1), torch.full((trials,), 2), target, draft,
+                                             torch.rand(trials, 2, generator=g), torch.rand(trials, generator=g))
+    a = torch.where(accepted >= 1, x1, following)
+    b_next_step = torch.multinomial(p2[a], 1, generator=g)[:, 0]
+    b = torch.where(accepted == 2, x2, torch.where(accepted == 1, following, b_next_step))
+    counts = torch.bincount(a * vocab + b, minlength=vocab * vocab).float()
+    joint = (p1[:, None] * p2).flatten()
+    assert chi_square(counts, joint) < CHI2_999[vocab * vocab - 1]
+
+
+def test_greedy_acceptance_is_argmax_agreement():
+    target = torch.eye(4)[[2, 1, 3]][None]  # one-hot: argmax 2, then 1, then 3
+    draft = torch.eye(4)[[2, 0]][None]
+    accepted, following = speculative_accept(torch.tensor([[2, 0]]), torch.tensor([2]), target, draft,
+                                             torch.full((1, 2), 0.99), torch.tensor([0.5]))
+    assert accepted.tolist() == [1] and following.tolist() == [1]  # the target's token replaces the miss
+
+
+def test_engine_sampling_preserves_the_target_distribution():
+    """End to end through the engine (draft model, cache rollback, per-row uniforms): the
+    first three tokens of many seeded samples match the target's exact joint distribution."""
+    vocab, end = 5, 4
+    target, draft = build_model(3, vocab_size=vocab), build_model(8, vocab_size=vocab, num_layers=1)
+    prompt = [1, 2, 3, 1]
+    engine = SpeculativeEngine(target, end_id=end, draft=draft,
+                               config=EngineConfig(max_num_seqs=64, max_num_batched_tokens=512),
+                               speculative=SpeculativeConfig(method="draft", gamma=2, max_batch=64))
+    trials = 4000
+    completions = engine.generate([GenerationRequest(prompt, SamplingParams(max_tokens=3, temperature=1.0, seed=i))
+                                   for i in range(trials)])
+    assert sum(c.draft_tokens_proposed for c in completions) > trials // 2  # speculation did run
+    outcomes = [tuple(c.token_ids) for c in completions]
+    exact = exact_outcomes(target, prompt, vocab, end, length=3)
+    keys = sorted(exact, key=lambda k: (len(k), k))
+    expected = torch.tensor([exact[k] for k in keys])
+    assert expected.sum().item() == pytest.approx(1.0, abs=1e-4)
+    counts = torch.tensor([outcomes.count(k) for k in keys], dtype=torch.float)
+    # pool the rare outcomes so every cell expects at least 5 draws
+    rare = expected * trials < 5
+    counts = torch.cat([counts[~rare], counts[rare].sum(0, keepdim=True)])
+    expected = torch.cat([expected[~rare], expected[rare].sum(0, keepdim=True)])
+    statistic = chi_square(counts, expected)
+    degrees = len(counts) - 1
+    assert statistic < degrees + 4 * (2 * degrees) ** 0.5  # far beyond p = 0.001 for ~60-85 cells
+
+
+@torch.no_grad()
+def exact_outcomes(model, prompt: list[int], vocab: int, end: int, length: int) -> dict[tuple, float]:
+    """The probability of every possible output of at most `length` tokens (end excluded)."""
+    outcomes: dict[tuple, float] = {}
+
+    def walk(prefix: list[int], probability: float) -> None:
+        if len(prefix) == length:
+            outcomes[tuple(prefix)] = probability
+            return
+        nxt = model(torch.tensor([prompt + prefix]))[0, -1].softmax(-1).tolist()
+        for token in range(vocab):
+            if token == end:
+                outcomes[tuple(prefix)] = probability * nxt[token]
+            else:
+                walk([*prefix, token], probability * nxt[token])
+
+    walk([], 1.0)
+    return outcomes
+
+
+def prompts(count: int, seed: int = 1, vocab: int = 64) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    # repeated motifs give prompt lookup something to find
+    motif = torch.randint(1, vocab, (6,), generator=g).tolist()
+    out = []
+    for n in torch.randint(4, 30, (count,), generator=g).tolist():
+        body = torch.randint(1, vocab, (n,), generator=g).tolist()
+        out.append(body[: n // 2] + motif + body[n // 2:] + motif[:3])
+    return out
+
+
+def greedy_requests(ids: list[list[int]], max_tokens: int = 24) -> list[GenerationRequest]:
+    return [GenerationRequest(p, SamplingParams(max_tokens=max_tokens)) for p in ids]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return build_model(0)
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+@pytest.mark.parametrize("max_batch", [1, 3, 16])  # never, sometimes, always speculating
+def test_greedy_output_is_the_targets_token_for_token(target, method, max_batch):
+    ids = prompts(6)
+    reference = AutoregressiveEngine(target, end_id=END).generate(greedy_requests(ids))
+    engine = SpeculativeEngine(target, end_id=END, draft=build_model(1, num_layers=1),
+                               config=EngineConfig(max_num_seqs=4, max_num_batched_tokens=128),
+                               speculative=SpeculativeConfig(method=method, gamma=3, max_batch=max_batch))
+    batched = engine.generate(greedy_requests(ids))
+    alone = [engine.generate(greedy_requests([p]))[0] for p in ids]
+    assert [c.token_ids for c in batched] == [c.token_ids for c in reference]
+    assert [c.token_ids for c in alone] == [c.token_ids for c in reference]
+    assert all(c.finish_reason == r.finish_reason for c, r in zip(alone, reference, strict=True))
+    assert sum(c.draft_tokens_proposed for c in alone) > 0
+
+
+def test_a_perfect_draft_accepts_everything():
+    target = build_model(0)
+    engine = SpeculativeEngine(target, end_id=END, draft=target,
+                               speculative=SpeculativeConfig(method="draft", gamma=4))
+    completion = engine.generate(greedy_requests(prompts(1), max_tokens=21))[0]
+    assert completion.acceptance_rate == 1.0
+    # 1 prefill + 4 verifies of 5 tokens each = 21 tokens in 5 target forwards
+    assert completion.forwards == 5 and completion.tokens_per_forward == pytest.approx(21 / 5)
+    assert completion.draft_forwards > 0
+
+
+def test_stop_tokens_and_max_tokens_with_speculation(target):
+    ids = prompts(1, seed=4)[0]
+    ar = AutoregressiveEngine(target, end_id=END)
+    free = ar.generate(greedy_requests([ids], max_tokens=15))[0]
+    stop = free.token_ids[6]
+    engine = SpeculativeEngine(target, end_id=END, draft=target, speculative=SpeculativeConfig(gamma=4))
+    capped = engine.generate(greedy_requests([ids], max_tokens=7))[0]
+    assert capped.token_ids == free.token_ids[:7] and capped.finish_reason == "length"
+    request = GenerationRequest(ids, SamplingParams(max_tokens=15, stop_token_ids=(stop,)))
+    stopped = engine.generate([request])[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[: free.token_ids.index(stop)]
+
+
+def test_prompt_lookup_proposals():
+    assert propose_ngram([5, 6, 7, 8, 9, 5, 6, 7], 3) == [8, 9, 5]
+    assert propose_ngram([1, 2, 3, 1, 2, 4, 1, 2], 2) == [4, 1]  # the latest occurrence
+    assert propose_ngram([1, 2, 3, 4], 3) == []
+    assert propose_ngram([7, 1, 9, 2, 7], 2, max_ngram=3) == [1, 9]  # falls back to a 1-gram
+    assert propose_ngram([7, 1, 9, 2, 7], 2, min_ngram=2) == []
+    assert propose_ngram([3, 3, 3], 5) == [3]
+
+
+def test_expected_tokens_per_pass_and_the_skip_rule():
+    assert expected_tokens_per_pass(0.0, 4) == 1.0
+    assert expected_tokens_per_pass(1.0, 4) == 5.0
+    assert expected_tokens_per_pass(0.8, 4) == pytest.approx((1 - 0.8 ** 5) / 0.2)
+    assert should_speculate(1, 4, max_batch=4, token_cap=4096)
+    assert not should_speculate(5, 4, max_batch=4, token_cap=4096)
+    assert not should_speculate(4, 4, max_batch=4, token_cap=16)  # 4 x 5 positions > cap
+
+
+def test_a_draft_with_another_vocabulary_is_refused(target):
+    with pytest.raises(IncompatibleDraftError, match="vocabulary"):
+        SpeculativeEngine(target, end_id=END, draft=build_model(1, vocab_size=80))
+    with pytest.raises(IncompatibleDraftError, match="causal"):
+        SpeculativeEngine(target, end_id=END, draft=build_model(1, causal=False))
+    with pytest.raises(IncompatibleDraftError, match="draft model"):
+        SpeculativeEngine(target, end_id=END, speculative=SpeculativeConfig(method="draft"))
+    with pytest.raises(ValueError, match="gamma"):
+        SpeculativeEngine(target, end_id=END, speculative=SpeculativeConfig(method="ngram", gamma=0))
+
+
+def test_seeded_sampling_alone_equals_batched_when_speculating(target):
+    ids = prompts(4, seed=9)
+    engine = SpeculativeEngine(target, end_id=END, draft=build_model(1, num_layers=1),
+                               speculative=SpeculativeConfig(method="draft", gamma=3, max_batch=8))
+
+    def run(batch):
+        return [GenerationRequest(p, SamplingParams(max_tokens=12, temperature=1.0, seed=i))
+                for i, p in enumerate(ids) if i in batch]
+
+    alone = [engine.generate(run({i}))[0].token_ids for i in range(len(ids))]
+    assert [c.token_ids for c in engine.generate(run(set(range(len(ids)))))] == alone
