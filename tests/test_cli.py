@@ -46,6 +46,21 @@ def test_eval_prints_one_json_object_with_the_metrics(tiny_checkpoints, engine):
     assert 0.0 <= report["field_accuracy"] <= 1.0
 
 
+@pytest.mark.parametrize("flags", [["--engine", "spec", "--method", "ngram"], ["--engine", "ar", "--structured"]])
+def test_eval_runs_the_ar_serving_engines(tiny_checkpoints, flags):
+    result = runner.invoke(app, ["eval", *flags, "--n", "2", "--json", "--model", str(tiny_checkpoints["ar"])])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output.strip().splitlines()[-1])
+    assert report["n"] == 2 and "latency_ms_p50" in report and "tokens_per_forward" in report
+    assert report["settings"]["structured"] == ("--structured" in flags)
+
+
+def test_eval_spec_rejects_an_unknown_method(tiny_checkpoints):
+    result = runner.invoke(app, ["eval", "--engine", "spec", "--method", "magic",
+                                 "--model", str(tiny_checkpoints["ar"])])
+    assert_one_clear_line(result, "unknown speculative method")
+
+
 def test_eval_fresh_seed_is_recorded(tiny_checkpoints):
     result = runner.invoke(app, ["eval", "--n", "2", "--seed", "11", "--json", "--model", str(tiny_checkpoints["ar"])])
     assert result.exit_code == 0, result.output

@@ -102,7 +102,7 @@ def _load_model(model: str, engine: str):
 
 @app.command("eval")
 def evaluate(
-    engine: str = typer.Option("ar", help="ar or diffusion"),
+    engine: str = typer.Option("ar", help="ar, spec (AR + speculative decoding) or diffusion"),
     n: int = typer.Option(100, help="documents to decode"),
     split: str = typer.Option("test", help="validation or test (ignored with --seed)"),
     seed: int = typer.Option(None, help="a fresh sample of the same distribution, never seen in training"),
@@ -113,7 +113,11 @@ def evaluate(
     tau: float = typer.Option(None, help="diffusion threshold policy: commit positions at least this sure, in (0, 1]"),
     block: int = typer.Option(None, help="diffusion block length in tokens (default: the engine's)"),
     cache: str = typer.Option(None, help="diffusion cache: none, prompt, prefix or dual"),
-    structured: bool = typer.Option(False, "--structured", help="fill the document kind's JSON Schema template"),
+    structured: bool = typer.Option(False, "--structured", help="JSON valid for the document kind's schema: "
+                                    "template infilling (diffusion) or a grammar (ar, spec)"),
+    method: str = typer.Option("draft", help="spec: draft (the draft model) or ngram (prompt lookup)"),
+    gamma: int = typer.Option(4, help="spec: tokens proposed per target pass"),
+    draft: str = typer.Option(None, help="spec: draft checkpoint directory (default: the bundled draft)"),
     threads: int = typer.Option(None, help="CPU threads (default: torch's choice)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
@@ -131,12 +135,14 @@ def evaluate(
     if batch_size < 1:
         fail("--batch-size must be at least 1")
     diffusion_flags = {"--policy": policy, "--tau": tau, "--block": block, "--cache": cache}
-    if engine == "ar":
+    if engine in ("ar", "spec"):
         given = [flag for flag, value in diffusion_flags.items() if value is not None]
         if given:
             fail(f"{', '.join(given)} apply to --engine diffusion only")
-        if structured:
-            fail("--structured is not available for --engine ar yet")
+        if engine == "spec" and method not in ("draft", "ngram"):
+            fail(f"unknown speculative method {method!r}; choose draft or ngram")
+        if gamma < 1:
+            fail("--gamma must be at least 1")
     else:
         try:
             diffusion_options(policy, tau, block, cache)
@@ -144,19 +150,25 @@ def evaluate(
             fail(str(error))
     if threads:
         torch.set_num_threads(threads)
-    loaded = _load_model(model or engine, engine)
+    loaded = _load_model(model or ("ar" if engine == "spec" else engine), engine)
     try:
         check_engine(loaded.model, engine)
     except ValueError as error:
         fail(str(error))
+    draft_model = _load_model(draft or "draft", engine).model if engine == "spec" and method == "draft" else None
     columns = [TextColumn(f"[bold]eval {engine}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TimeRemainingColumn()]
     with Progress(*columns, console=err_console, transient=as_json) as progress:
         task = progress.add_task("eval", total=n)
+        advance = lambda k: progress.advance(task, k)  # noqa: E731
         try:
-            result = run_eval(loaded.model, loaded.codec, engine, n, split=split, seed=seed,
-                              batch_size=batch_size, block=block, policy=policy, tau=tau, cache=cache,
-                              structured=structured, on_batch=lambda k: progress.advance(task, k))
+            if engine == "spec" or (engine == "ar" and structured):
+                result = _eval_ar_engine(loaded, engine, n, split, seed, batch_size, structured, method, gamma,
+                                         draft_model, advance)
+            else:
+                result = run_eval(loaded.model, loaded.codec, engine, n, split=split, seed=seed,
+                                  batch_size=batch_size, block=block, policy=policy, tau=tau, cache=cache,
+                                  structured=structured, on_batch=advance)
         except ValueError as error:
             fail(str(error))
     result["settings"]["model"] = str(loaded.path)
@@ -164,6 +176,22 @@ def evaluate(
         print(json.dumps(result))
         return
     _print_eval_table(result)
+
+
+def _eval_ar_engine(loaded, engine: str, n: int, split: str, seed: int | None, batch_size: int, structured: bool,
+                    method: str, gamma: int, draft_model, on_batch) -> dict:
+    """`eval --engine spec` and `eval --engine ar --structured` run the serving engines
+    (speculation at batch size 1, where it pays; grammar-constrained AR batched)."""
+    from nowait.bench.ar_entries import build_ar_engine, build_spec_engine, run_engine_eval
+    from nowait.engines.autoregressive import EngineConfig
+
+    if engine == "spec":
+        built = build_spec_engine(loaded.model, loaded.codec, method, draft_model, gamma, structured,
+                                  config=EngineConfig(max_num_seqs=1))
+        return run_engine_eval(built, loaded.codec, n, split, seed, structured, one_at_a_time=True,
+                               on_batch=on_batch)
+    built = build_ar_engine(loaded.model, loaded.codec, structured, config=EngineConfig(max_num_seqs=batch_size))
+    return run_engine_eval(built, loaded.codec, n, split, seed, structured, on_batch=on_batch)
 
 
 def _print_eval_table(result: dict) -> None:

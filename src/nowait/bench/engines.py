@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # torch and the engines load when the command runs, not with 
     from nowait.checkpoints import LoadedModel
     from nowait.extraction.corpus import Document
 
-DEFAULT_ENTRIES = ("ar", "diffusion-reference", "diffusion", "diffusion-structured")
+DEFAULT_ENTRIES = ("ar", "spec", "ar-structured", "diffusion-reference", "diffusion", "diffusion-structured")
 BASELINE = "diffusion"  # the ratios compare every entry with the diffusion fast default
 
 
@@ -122,6 +122,28 @@ def diffusion_structured_entry(ctx: BenchContext) -> dict:
     return _diffusion(ctx, DiffusionOptions(), structured=True)
 
 
+@register_entry("spec")
+def spec_bench_entry(ctx: BenchContext) -> dict:
+    """AR + the best speculative method at batch size 1 (draft model, prompt lookup beside it)."""
+    from nowait.bench.ar_entries import spec_entry
+
+    loaded = ctx.model("ar")
+    # The bundled draft shares only the bundled AR model's vocabulary: with another AR model and
+    # no --draft-model, prompt lookup (which needs no draft) is the only method run.
+    own_ar = not ctx.model_paths.get("ar")
+    draft = ctx.optional_model("draft") if ctx.model_paths.get("draft") or own_ar else None
+    return spec_entry(loaded.model, loaded.codec, ctx.docs, draft=draft.model if draft else None)
+
+
+@register_entry("ar-structured")
+def ar_structured_bench_entry(ctx: BenchContext) -> dict:
+    """Greedy AR constrained by each kind's JSON Schema grammar, batch size 1."""
+    from nowait.bench.ar_entries import ar_structured_entry
+
+    loaded = ctx.model("ar")
+    return ar_structured_entry(loaded.model, loaded.codec, ctx.docs)
+
+
 # --- running and reporting ---
 
 
@@ -171,8 +193,9 @@ def engines(
 ) -> None:
     """Latency, forwards and accuracy of AR and the diffusion configurations, same documents.
 
-    Entries: plain AR (KV cache), the reference diffusion schedule (one token per forward, no
-    cache), the diffusion fast default, and the fast default filling schema templates."""
+    Entries: plain AR (KV cache), AR with the best speculative method, grammar-constrained AR,
+    the reference diffusion schedule (one token per forward, no cache), the diffusion fast
+    default, and the fast default filling schema templates."""
     from rich.console import Console
 
     from nowait.cli import fail
