@@ -7,4 +7,4 @@ import typer
 bench_app = typer.Typer(help="Measure engines, batching and the gateway on this machine.", no_args_is_help=True)
 
 # Commands register themselves on bench_app when their module is imported.
-from nowait.bench import batching, engines  # noqa: E402, F401
+from nowait.bench import batching, engines, physics  # noqa: E402, F401

@@ -1,0 +1,193 @@
+"""`nowait bench physics`: the mission's core claim measured on the machine at hand.
+
+An AR decode step at batch 1 streams every weight for one token (arithmetic intensity near 1
+FLOP per byte at 16-bit, so the chip waits on memory); batching 64 sequences reuses each weight
+64 times; a diffusion pass works on a whole block at batch 1, so it is compute-bound without any
+batching. Each case below is timed with the real Transformer and costed with the one cost model
+(`ModelConfig.forward_cost`), then placed under this machine's measured roofline.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import typer
+
+from nowait.bench import bench_app
+from nowait.model import KVCache, ModelConfig, Transformer
+
+PROMPT_TOKENS = 170  # a typical extraction prompt of the demo corpus
+ANSWER_WINDOW = 160
+DIFFUSION_BLOCK = 32
+
+
+@dataclass(frozen=True)
+class PhysicsCase:
+    name: str
+    batch: int
+    new_tokens: int  # per sequence
+    cached_tokens: int  # per sequence
+    causal: bool
+    what: str
+
+
+def standard_cases(prompt: int = PROMPT_TOKENS, window: int = ANSWER_WINDOW,
+                   block: int = DIFFUSION_BLOCK) -> list[PhysicsCase]:
+    """The four cases the issue names; AR decode sits halfway through an answer."""
+    context = prompt + window // 2
+    return [
+        PhysicsCase("ar-decode-b1", 1, 1, context, True, "one AR decode step, batch 1, KV cache"),
+        PhysicsCase("ar-decode-b64", 64, 1, context, True, "one AR decode step, 64 sequences batched"),
+        PhysicsCase("diffusion-b1", 1, prompt + window, 0, False,
+                    f"one diffusion pass, batch 1, no cache (prompt + {window}-token window)"),
+        PhysicsCase("diffusion-b1-cache", 1, block, prompt, False,
+                    f"one diffusion pass, batch 1, block {block} over the cached prompt"),
+    ]
+
+
+def _time_best(run, budget_s: float, repeats: int = 50) -> float:
+    """Fastest of up to `repeats` runs within `budget_s` (the run least disturbed by other work)."""
+    run()  # warm-up: allocation and kernel selection
+    best, started = float("inf"), time.perf_counter()
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - t0)
+        if time.perf_counter() - started > budget_s:
+            break
+    return best
+
+
+@torch.no_grad()
+def time_case(config: ModelConfig, case: PhysicsCase, budget_s: float = 1.0) -> float:
+    """Seconds of one forward of `case` on a model of `config`'s shape (weights do not matter)."""
+    shape = ModelConfig.from_dict({**config.to_dict(), "causal": case.causal})
+    model = Transformer(shape).eval()
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, shape.vocab_size, (case.batch, case.new_tokens), generator=generator)
+    if not case.cached_tokens:
+        return _time_best(lambda: model(ids), budget_s)
+    cache = KVCache(shape, case.batch, case.cached_tokens + case.new_tokens)
+    model(torch.randint(0, shape.vocab_size, (case.batch, case.cached_tokens), generator=generator), cache)
+    filled = cache.lengths.clone()
+
+    def step() -> None:
+        model(ids, cache, write_cache=case.causal)
+        cache.lengths = filled.clone()  # every repetition decodes at the same context length
+
+    return _time_best(step, budget_s)
+
+
+def measure(config: ModelConfig, peak_flops: float, bandwidth: float, cases: list[PhysicsCase] | None = None,
+            budget_s: float = 1.0, dtype_bytes: int = 4) -> dict:
+    """The JSON of `nowait bench physics`: achieved FLOP/s, intensity and utilization per case."""
+    results = []
+    for case in cases or standard_cases():
+        seconds = time_case(config, case, budget_s)
+        cost = config.forward_cost(case.new_tokens, case.cached_tokens, case.batch, dtype_bytes)
+        achieved = cost.flops / seconds
+        # Roofline (Williams et al. 2009): attainable = min(peak, intensity x bandwidth).
+        attainable = min(peak_flops, cost.intensity * bandwidth)
+        results.append({
+            "name": case.name, "what": case.what, "batch": case.batch, "new_tokens": case.new_tokens,
+            "cached_tokens": case.cached_tokens, "seconds": seconds, "flops": cost.flops, "bytes": cost.bytes,
+            "achieved_flops": achieved, "intensity": cost.intensity, "utilization": achieved / peak_flops,
+            "roofline_flops": attainable,
+            "bound": "memory" if cost.intensity * bandwidth < peak_flops else "compute",
+            "tokens_per_s": case.batch * (1 if case.causal else case.new_tokens) / seconds,
+        })
+    return {"peak_flops": peak_flops, "bandwidth": bandwidth, "ridge_intensity": peak_flops / bandwidth,
+            "dtype_bytes": dtype_bytes, "cases": results}
+
+
+def plot_roofline(report: dict, path: Path) -> Path:
+    """Log-log roofline of this machine with each case's measured operating point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    peak, bandwidth = report["peak_flops"], report["bandwidth"]
+    intensities = [c["intensity"] for c in report["cases"]]
+    low, high = min(*intensities, 1.0) / 4, max(*intensities, report["ridge_intensity"]) * 4
+    xs = [low * (high / low) ** (i / 200) for i in range(201)]
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    axis.loglog(xs, [min(peak, x * bandwidth) / 1e9 for x in xs], color="black", label="roofline (measured)")
+    for case in report["cases"]:
+        axis.scatter(case["intensity"], case["achieved_flops"] / 1e9, s=40, zorder=3)
+        axis.annotate(case["name"], (case["intensity"], case["achieved_flops"] / 1e9), textcoords="offset points",
+                      xytext=(5, -12))
+    axis.set_xlabel("arithmetic intensity (FLOP / byte)")
+    axis.set_ylabel("GFLOP/s")
+    axis.set_title("Where each engine's forward sits on this machine's roofline")
+    axis.grid(True, which="both", alpha=0.3)
+    axis.legend(loc="lower right")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+@bench_app.command("physics")
+def physics(
+    model: str = typer.Option("ar", help="model whose shape is timed (bundled name or checkpoint directory)"),
+    budget: float = typer.Option(1.0, help="seconds of timing per case (best run kept)"),
+    host_budget: float = typer.Option(3.0, help="seconds to measure the matmul peak and memory bandwidth"),
+    report: Path = typer.Option(None, help="directory for roofline.png and physics.json"),
+    threads: int = typer.Option(None, help="CPU threads (default: torch's choice)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Achieved FLOP/s and arithmetic intensity of AR decode (batch 1 and 64) and of a diffusion
+    pass at batch 1 (with and without the prompt cache), against this machine's measured peak."""
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from nowait import paths
+    from nowait.checkpoints import CheckpointError, load_pretrained
+    from nowait.cli import fail
+    from nowait.planner.hardware import measure_host
+
+    if budget <= 0 or host_budget <= 0:
+        fail("--budget and --host-budget must be positive")
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        config = load_pretrained(paths.model_dir(model)).model.config
+    except CheckpointError as error:
+        fail(str(error))
+    err = Console(stderr=True)
+    cases = standard_cases()
+    with Progress(console=err, transient=as_json) as progress:
+        task = progress.add_task("bench physics", total=len(cases) + 1)
+        host = measure_host(budget_s=host_budget, threads=threads or torch.get_num_threads())
+        progress.advance(task)
+        peak, bandwidth = host.peak_flops("fp32"), host.memory_bandwidth
+        results = []
+        for case in cases:
+            results.append(measure(config, peak, bandwidth, [case], budget)["cases"][0])
+            progress.advance(task)
+    result = {"peak_flops": peak, "bandwidth": bandwidth, "ridge_intensity": peak / bandwidth, "dtype_bytes": 4,
+              "threads": torch.get_num_threads(), "model": str(paths.model_dir(model)), "cases": results}
+    if report:
+        report.mkdir(parents=True, exist_ok=True)
+        (report / "physics.json").write_text(json.dumps(result, indent=2) + "\n")
+        result["plot"] = str(plot_roofline(result, report / "roofline.png"))
+    if as_json:
+        print(json.dumps(result))
+        return
+    table = Table(title=f"bench physics: peak {peak / 1e9:.1f} GFLOP/s, bandwidth {bandwidth / 1e9:.1f} GB/s, "
+                        f"ridge {peak / bandwidth:.1f} FLOP/byte")
+    for column in ("case", "intensity", "achieved GFLOP/s", "utilization", "bound", "ms", "tokens/s"):
+        table.add_column(column, justify="left" if column == "case" else "right")
+    for c in results:
+        table.add_row(c["name"], f"{c['intensity']:.1f}", f"{c['achieved_flops'] / 1e9:.2f}",
+                      f"{c['utilization']:.1%}", c["bound"], f"{c['seconds'] * 1000:.2f}", f"{c['tokens_per_s']:.0f}")
+    Console().print(table)
+    if report:
+        Console().print(f"roofline plot: {result['plot']}")
