@@ -13,12 +13,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from nowait import paths
 from nowait.bench import bench_app
+from nowait.gateway.cli import register as register_serve
 from nowait.planner.cli import register as register_plan
 
 app = typer.Typer(help="nowait: route each request to the engine that pays, and plan the fleet.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 app.add_typer(bench_app, name="bench")
 register_plan(app)
+register_serve(app)
 console = Console()
 err_console = Console(stderr=True)
 

@@ -9,7 +9,8 @@ A third, the data class, only ever narrows the choice: restricted data never lea
     latency-bound and low value                                      -> the fast engine (diffusion), with a
                                                                         fallback to AR below the confidence threshold
 
-The gateway calls `route` per request and `should_fall_back` per diffusion answer; the planner
+The gateway calls `route` per request (`pin` when the caller names an engine itself),
+`should_fall_back` per diffusion answer and `failover` when a remote engine fails; the planner
 calls the same `route` once per workload. Nothing here does I/O, so every decision is reproducible
 from its inputs, and `Decision.reason` is the sentence that goes to the audit log.
 """
@@ -90,7 +91,7 @@ class Decision:
     engine: str
     reason: str
     fallback_engine: str | None = None
-    rule: str = ""  # "batch", "frontier" or "fast": which branch of the rule decided
+    rule: str = ""  # "batch", "frontier", "fast" or "pinned": which branch of the rule decided
 
 
 class DataClassViolation(PermissionError):
@@ -129,7 +130,7 @@ def route(request: RouteRequest, policy: RoutingPolicy) -> Decision:
         return Decision(policy.owned_frontier_engine,
                         f"high value ({value} >= {threshold}) and {where}: the owned frontier engine", rule="frontier")
     if policy.fast_engine is None:
-        return Decision(policy.batch_engine, "latency-bound but no fast (diffusion) engine is configured: AR",
+        return Decision(policy.batch_engine, "latency-bound but no fast (diffusion) engine is available: AR",
                         rule="fast")
     budget = "no stated budget" if request.latency_budget_ms is None else f"a {request.latency_budget_ms:g} ms budget"
     return Decision(policy.fast_engine,
@@ -151,3 +152,38 @@ def check_destination(engine: str, data_class: DataClass, policy: RoutingPolicy)
             raise DataClassViolation(f"{data_class.value} data may not be sent to remote engine {engine!r}")
     if engine not in policy.owned_engines and engine not in {r.name for r in policy.remote_frontier_engines}:
         raise DataClassViolation(f"unknown engine {engine!r}: neither owned nor a configured remote engine")
+
+
+def pin(engine: str, policy: RoutingPolicy) -> Decision:
+    """A request that names its engine itself (a model name other than the router's).
+
+    The caller chooses, but two things still hold: a remote engine may receive only the data
+    classes it allows (the caller of `pin` checks with `RemoteEngine.may_receive` or
+    `check_destination` as its last step before any I/O), and the fast engine keeps its confidence
+    fallback, because a diffusion answer below the threshold is not one to hand back.
+    """
+    if engine == policy.fast_engine:
+        return Decision(engine, f"the caller asked for {engine}; answers below confidence "
+                                f"{policy.confidence_threshold:g} re-run on {policy.fallback_engine}",
+                        fallback_engine=policy.fallback_engine, rule="pinned")
+    return Decision(engine, f"the caller asked for {engine}", rule="pinned")
+
+
+def failover(engine: str, policy: RoutingPolicy) -> str | None:
+    """Where a request goes when remote `engine` fails (unreachable, 5xx, timeout): the owned
+    frontier engine, which may receive every data class. None for an owned engine: its failure
+    is the answer (re-running the same weights elsewhere would fail the same way)."""
+    if engine in {r.name for r in policy.remote_frontier_engines}:
+        return policy.owned_frontier_engine
+    return None
+
+
+def restrict_to_available(policy: RoutingPolicy, available: set[str]) -> RoutingPolicy:
+    """The policy without the engines that cannot serve now (a model not trained yet, a remote
+    without its API key): an unavailable fast engine sends latency-bound work to AR, an
+    unavailable remote leaves high-value work on the owned frontier engine. The owned batch,
+    fallback and frontier engines stay named even when down: there is no substitute for them,
+    and the caller gets a clear error instead."""
+    fast = policy.fast_engine if policy.fast_engine in available else None
+    remotes = tuple(r for r in policy.remote_frontier_engines if r.name in available)
+    return policy.model_copy(update={"fast_engine": fast, "remote_frontier_engines": remotes})

@@ -8,3 +8,6 @@ bench_app = typer.Typer(help="Measure engines, batching and the gateway on this 
 
 # Commands register themselves on bench_app when their module is imported.
 from nowait.bench import batching, engines, physics  # noqa: E402, F401
+from nowait.bench.gateway import register as register_gateway_bench  # noqa: E402
+
+register_gateway_bench(bench_app)

@@ -1,0 +1,256 @@
+"""`nowait bench gateway`: what the HTTP gateway adds over calling the same engine in process, and
+whether it holds many concurrent streaming clients.
+
+One run, one engine (default `ar`), on loopback:
+
+1. **Added latency.** The same request (an extraction prompt, greedy, `--max-tokens`) alternately
+   through HTTP (`POST /v1/chat/completions`, keep-alive) and straight to the engine's worker in
+   process (`OwnedBackend.run`: the same thread and continuous-batching loop the gateway uses).
+   The difference is what parsing, auth, routing, serialization and the loopback round trip
+   cost. Reported as p50/p99 of each side, their difference, and the pairwise differences.
+   Goal (issue 6): p50 added <= 2 ms.
+2. **Concurrency.** `--clients` streaming clients at once, each reading its stream to `[DONE]`;
+   any non-200, missing `[DONE]` or transport error counts as an error. Goal: zero errors at 200.
+   The engine's queue is sized to hold every client (a bench of the gateway, not of back-pressure).
+
+Numbers are measurements of this machine, printed side by side; nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import typer
+
+if TYPE_CHECKING:  # fastapi, uvicorn and torch load when the command runs, not with the CLI
+    from nowait.gateway.config import GatewayConfig
+
+ADDED_P50_GOAL_MS = 2.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _percentiles(values_s: list[float]) -> dict:
+    ms = np.array(values_s) * 1000
+    return {"p50": round(float(np.percentile(ms, 50)), 3), "p99": round(float(np.percentile(ms, 99)), 3),
+            "mean": round(float(ms.mean()), 3)}
+
+
+def bench_config(config: GatewayConfig, engine: str, clients: int, data_dir: Path) -> GatewayConfig:
+    """The config reduced to one owned engine that takes every role, its queue sized for the clients."""
+    from nowait.gateway.config import RemoteEngineConfig, RoutingConfig
+
+    if engine not in config.engines:
+        raise ValueError(f"engine {engine!r} is not configured (engines: {', '.join(config.engines)})")
+    spec = config.engines[engine]
+    if isinstance(spec, RemoteEngineConfig):
+        raise ValueError(f"engine {engine!r} is remote: the bench compares an owned engine in and out of process")
+    spec = spec.model_copy(update={"max_queue": max(spec.max_queue, clients)})
+    routing = RoutingConfig(batch_engine=engine, fast_engine=None, fallback_engine=engine,
+                            owned_frontier_engine=engine)
+    return config.model_copy(update={"engines": {engine: spec}, "routing": routing, "data_dir": data_dir,
+                                     "audit_log": None, "batches": config.batches.model_copy(
+                                         update={"database": None})})
+
+
+class _Server:
+    """uvicorn in a thread on loopback, for the length of the bench."""
+
+    def __init__(self, app, port: int) -> None:
+        import uvicorn
+
+        self.app, self.port = app, port
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                                    lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> _Server:
+        self.thread.start()
+        deadline = time.monotonic() + 120
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the gateway did not start (see the log above)")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def _messages(count: int) -> list[list[dict]]:
+    from nowait.extraction.corpus import documents
+    from nowait.tokenizer import instruction_for
+
+    docs = documents("test", count)
+    return [[{"role": "user", "content": f"{instruction_for(d.kind)}\n{d.text}\n"}] for d in docs]
+
+
+def measure_added_latency(server: _Server, engine: str, requests: int, max_tokens: int) -> dict:
+    import httpx
+
+    from nowait.gateway.calls import chat_calls
+    from nowait.gateway.schemas import ChatCompletionRequest
+
+    gateway = server.app.state.gateway
+    backend = gateway.backends[engine]
+    keys = sorted(gateway.api_keys)
+    headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+    messages = _messages(1)[0]
+    body = {"model": engine, "messages": messages, "max_tokens": max_tokens}
+    loop = asyncio.new_event_loop()
+    http, direct, pairs = [], [], []
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{server.port}", headers=headers, timeout=120) as client:
+            for i in range(requests + 2):  # two warm-up rounds
+                started = time.perf_counter()
+                response = client.post("/v1/chat/completions", json=body)
+                over_http = time.perf_counter() - started
+                response.raise_for_status()
+                [call] = chat_calls(ChatCompletionRequest.model_validate(body), {}, gateway.config.defaults, f"b{i}")
+                started = time.perf_counter()
+                loop.run_until_complete(backend.run(call, 120))
+                in_process = time.perf_counter() - started
+                if i >= 2:
+                    http.append(over_http)
+                    direct.append(in_process)
+                    pairs.append(over_http - in_process)
+    finally:
+        loop.close()
+    gateway_ms, direct_ms = _percentiles(http), _percentiles(direct)
+    return {"requests": requests, "gateway_ms": gateway_ms, "in_process_ms": direct_ms,
+            "added_ms": {"p50": round(gateway_ms["p50"] - direct_ms["p50"], 3),
+                         "p99": round(gateway_ms["p99"] - direct_ms["p99"], 3)},
+            "pairwise_added_ms": _percentiles(pairs)}
+
+
+async def _streaming_clients(port: int, engine: str, clients: int, max_tokens: int, api_key: str | None) -> dict:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    conversations = _messages(min(clients, 50))
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+
+    async def one(client: httpx.AsyncClient, index: int) -> dict:
+        body = {"model": engine, "messages": conversations[index % len(conversations)], "max_tokens": max_tokens,
+                "stream": True, "stream_options": {"include_usage": True}}
+        started = time.perf_counter()
+        first, tokens, done = None, 0, False
+        try:
+            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    return {"error": f"HTTP {response.status_code}: {response.text[:200]}"}
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    event = json.loads(data)
+                    if "error" in event:
+                        return {"error": event["error"].get("message")}
+                    if event.get("usage"):
+                        tokens = event["usage"]["completion_tokens"]
+                    if first is None and any((c.get("delta") or {}).get("content") for c in event.get("choices", [])):
+                        first = time.perf_counter() - started
+        except (httpx.HTTPError, ValueError) as error:
+            return {"error": f"{type(error).__name__}: {error}"}
+        if not done:
+            return {"error": "stream ended without [DONE]"}
+        return {"ttft": first if first is not None else time.perf_counter() - started,
+                "e2e": time.perf_counter() - started, "tokens": tokens}
+
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", headers=headers, limits=limits,
+                                 timeout=300) as client:
+        started = time.perf_counter()
+        results = await asyncio.gather(*(one(client, i) for i in range(clients)))
+        wall = time.perf_counter() - started
+    ok = [r for r in results if "error" not in r]
+    errors = [r["error"] for r in results if "error" in r]
+    tokens = sum(r["tokens"] for r in ok)
+    return {"clients": clients, "errors": len(errors), "error_examples": errors[:3], "wall_s": round(wall, 3),
+            "ttft_ms": _percentiles([r["ttft"] for r in ok]) if ok else None,
+            "e2e_ms": _percentiles([r["e2e"] for r in ok]) if ok else None,
+            "output_tokens": tokens, "tokens_per_s": round(tokens / wall, 1) if wall > 0 else 0.0}
+
+
+def run_gateway_bench(config: GatewayConfig, engine: str = "ar", requests: int = 200, clients: int = 200,
+                      max_tokens: int = 16) -> dict:
+    """Both measurements on one in-process server; returns the JSON the command prints."""
+    from nowait.gateway.app import create_app
+
+    with tempfile.TemporaryDirectory(prefix="nowait-bench-") as scratch:
+        settings = bench_config(config, engine, clients, Path(scratch))
+        app = create_app(settings)
+        with _Server(app, _free_port()) as server:
+            backend = app.state.gateway.backends[engine]
+            if not backend.available:
+                raise ValueError(f"engine {engine!r} is not available: {backend.unavailable_reason}")
+            latency = measure_added_latency(server, engine, requests, max_tokens)
+            keys = sorted(app.state.gateway.api_keys)
+            concurrency = asyncio.run(_streaming_clients(server.port, engine, clients, max_tokens,
+                                                         keys[0] if keys else None))
+    return {"engine": engine, "max_tokens": max_tokens, "latency": latency, "concurrency": concurrency,
+            "goals": {"added_p50_ms_at_most": ADDED_P50_GOAL_MS,
+                      "added_p50_met": latency["added_ms"]["p50"] <= ADDED_P50_GOAL_MS,
+                      "zero_errors_met": concurrency["errors"] == 0}}
+
+
+def gateway(
+    config: Path = typer.Option(None, "--config", "-c", help="nowait.yaml (default: the bundled demo models)"),
+    engine: str = typer.Option("ar", help="the owned engine to measure"),
+    requests: int = typer.Option(200, help="sequential requests for the added-latency percentiles"),
+    clients: int = typer.Option(200, help="concurrent streaming clients"),
+    max_tokens: int = typer.Option(16, help="output tokens per request"),
+    threads: int = typer.Option(None, help="torch CPU threads"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Gateway overhead over the in-process engine (p50/p99) and N concurrent streaming clients."""
+    from nowait.gateway.config import ConfigError, default_config, load_config
+
+    if requests < 1 or clients < 1 or max_tokens < 1:
+        typer.echo("error: --requests, --clients and --max-tokens must be at least 1", err=True)
+        raise typer.Exit(code=2)
+    try:
+        settings = load_config(config) if config is not None else default_config()
+    except ConfigError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(code=2) from None
+    if threads:
+        settings = settings.model_copy(update={"server": settings.server.model_copy(update={"torch_threads": threads})})
+    try:
+        result = run_gateway_bench(settings, engine, requests, clients, max_tokens)
+    except ValueError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(code=2) from None
+    if as_json:
+        print(json.dumps(result))
+        return
+    lat, con = result["latency"], result["concurrency"]
+    typer.echo(f"engine {engine}, {max_tokens} output tokens, {lat['requests']} requests each way")
+    typer.echo(f"  in process  p50 {lat['in_process_ms']['p50']:.2f} ms  p99 {lat['in_process_ms']['p99']:.2f} ms")
+    typer.echo(f"  via gateway p50 {lat['gateway_ms']['p50']:.2f} ms  p99 {lat['gateway_ms']['p99']:.2f} ms")
+    typer.echo(f"  added       p50 {lat['added_ms']['p50']:.2f} ms  p99 {lat['added_ms']['p99']:.2f} ms "
+               f"(goal p50 <= {ADDED_P50_GOAL_MS:g} ms: {'met' if result['goals']['added_p50_met'] else 'missed'})")
+    typer.echo(f"{con['clients']} concurrent streaming clients: {con['errors']} errors, {con['wall_s']} s, "
+               f"{con['tokens_per_s']} output tok/s" + (f", TTFT p50 {con['ttft_ms']['p50']} ms p99 "
+                                                        f"{con['ttft_ms']['p99']} ms" if con["ttft_ms"] else ""))
+
+
+def register(app: typer.Typer) -> None:
+    """Add `gateway` to the `nowait bench` group."""
+    app.command("gateway")(gateway)

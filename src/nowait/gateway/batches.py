@@ -1,0 +1,397 @@
+"""The OpenAI Batch API, durable: files and batches in SQLite, and the runner that answers them.
+
+Durability rests on three rules, each a single SQLite transaction (WAL, synchronous=FULL):
+
+1. A batch is committed (status `validating`) before `POST /v1/batches` answers: an accepted batch
+   is on disk.
+2. Validation inserts every input line and moves the batch to `in_progress` together, so a kill
+   mid-validation leaves a batch that is validated again from the start.
+3. Each line's answer is written with `UPDATE ... WHERE status_code IS NULL`: a line is answered at
+   most once, and after a restart only the lines without an answer run again. Finalizing builds
+   the output and error files from the stored answers and completes the batch in one transaction.
+
+So `kill -9` at any point, then a restart, ends with every line answered exactly once. A line
+whose answer was computed but not yet committed when the process died runs again (its compute is
+spent twice; its answer appears once).
+
+Statuses: validating -> in_progress -> finalizing -> completed; validating -> failed (bad input);
+validating/in_progress -> cancelling -> cancelled (lines answered so far are kept; the others
+are listed in the error file with code `batch_cancelled`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from nowait.gateway.schemas import Batch, BatchError, BatchErrors, BatchRequestCounts, FileObject
+
+log = logging.getLogger("nowait.gateway")
+
+BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+COMPLETION_WINDOWS = {"24h": 24 * 3600}
+MAX_LINES = 50_000
+UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
+
+# execute(endpoint, body, request_id) -> (HTTP status, response body): the same path an HTTP request takes.
+Executor = Callable[[str, dict, str], Awaitable[tuple[int, dict, float | None]]]
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS files (
+    id TEXT PRIMARY KEY, purpose TEXT NOT NULL, filename TEXT NOT NULL, bytes INTEGER NOT NULL,
+    created_at INTEGER NOT NULL, content BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS batches (
+    id TEXT PRIMARY KEY, status TEXT NOT NULL, endpoint TEXT NOT NULL, input_file_id TEXT NOT NULL,
+    completion_window TEXT NOT NULL, metadata TEXT, created_at INTEGER NOT NULL, in_progress_at INTEGER,
+    expires_at INTEGER, finalizing_at INTEGER, completed_at INTEGER, failed_at INTEGER, cancelling_at INTEGER,
+    cancelled_at INTEGER, output_file_id TEXT, error_file_id TEXT, errors TEXT);
+CREATE TABLE IF NOT EXISTS batch_lines (
+    batch_id TEXT NOT NULL, line INTEGER NOT NULL, custom_id TEXT NOT NULL, body TEXT NOT NULL,
+    status_code INTEGER, response TEXT, request_id TEXT, answered_at INTEGER,
+    PRIMARY KEY (batch_id, line));
+"""
+
+
+class BatchInputError(ValueError):
+    """A batch's input file that cannot run: the batch fails with these errors."""
+
+    def __init__(self, errors: list[BatchError]) -> None:
+        super().__init__("; ".join(e.message or "" for e in errors))
+        self.errors = errors
+
+
+def parse_input(content: bytes, endpoint: str) -> list[tuple[int, str, str]]:
+    """(line number, custom_id, body JSON) per request line, or BatchInputError listing what is wrong."""
+    errors: list[BatchError] = []
+    lines: list[tuple[int, str, str]] = []
+    seen: set[str] = set()
+    try:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BatchInputError([BatchError(code="invalid_file_format", message="the input file is not UTF-8")]) \
+            from None
+    for number, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        before = len(errors)
+
+        def problem(code: str, message: str, param: str | None = None, n: int = number) -> None:
+            errors.append(BatchError(code=code, message=message, param=param, line=n))
+
+        try:
+            item = json.loads(raw)
+        except ValueError as error:
+            problem("invalid_json_line", f"line {number} is not valid JSON ({error})")
+            continue
+        if not isinstance(item, dict):
+            problem("invalid_json_line", f"line {number} is not a JSON object")
+            continue
+        custom_id, body = item.get("custom_id"), item.get("body")
+        if not isinstance(custom_id, str) or not custom_id:
+            problem("missing_required_parameter", f"line {number}: custom_id must be a non-empty string", "custom_id")
+        elif custom_id in seen:
+            problem("duplicate_custom_id", f"line {number}: custom_id {custom_id!r} is used twice", "custom_id")
+        if item.get("method", "POST") != "POST":
+            problem("invalid_method", f"line {number}: method must be POST", "method")
+        if item.get("url") != endpoint:
+            problem("mismatched_endpoint", f"line {number}: url {item.get('url')!r} differs from the batch's endpoint "
+                                           f"{endpoint}", "url")
+        if not isinstance(body, dict):
+            problem("missing_required_parameter", f"line {number}: body must be a JSON object", "body")
+        if len(errors) == before:
+            seen.add(custom_id)
+            lines.append((number, custom_id, json.dumps(body)))
+    if not lines and not errors:
+        errors.append(BatchError(code="empty_file", message="the input file holds no request lines"))
+    if len(lines) > MAX_LINES:
+        errors.append(BatchError(code="too_many_requests", message=f"at most {MAX_LINES} lines per batch"))
+    if errors:
+        raise BatchInputError(errors[:100])
+    return lines
+
+
+class BatchStore:
+    """Files, batches and their lines in one SQLite file; every method is one transaction."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _transaction(self, work: Callable[[sqlite3.Connection], Any]) -> Any:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                result = work(self._db)
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+            return result
+
+    def _query(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    # --- files ---
+
+    def create_file(self, filename: str, purpose: str, content: bytes, file_id: str | None = None) -> FileObject:
+        file_id = file_id or f"file-{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+        self._transaction(lambda db: db.execute(
+            "INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?, ?)",
+            (file_id, purpose, filename, len(content), created, content)))
+        return FileObject(id=file_id, bytes=len(content), created_at=created, filename=filename, purpose=purpose)
+
+    @staticmethod
+    def _file(row: sqlite3.Row) -> FileObject:
+        return FileObject(id=row["id"], bytes=row["bytes"], created_at=row["created_at"], filename=row["filename"],
+                          purpose=row["purpose"])
+
+    def get_file(self, file_id: str) -> FileObject | None:
+        rows = self._query("SELECT id, purpose, filename, bytes, created_at FROM files WHERE id = ?", (file_id,))
+        return self._file(rows[0]) if rows else None
+
+    def file_content(self, file_id: str) -> bytes | None:
+        rows = self._query("SELECT content FROM files WHERE id = ?", (file_id,))
+        return bytes(rows[0]["content"]) if rows else None
+
+    def list_files(self, purpose: str | None = None, limit: int = 10000) -> list[FileObject]:
+        sql = "SELECT id, purpose, filename, bytes, created_at FROM files"
+        args: tuple = ()
+        if purpose:
+            sql, args = sql + " WHERE purpose = ?", (purpose,)
+        return [self._file(r) for r in self._query(sql + " ORDER BY rowid DESC LIMIT ?", (*args, limit))]
+
+    def delete_file(self, file_id: str) -> bool:
+        return self._transaction(lambda db: db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount) > 0
+
+    # --- batches ---
+
+    def create_batch(self, input_file_id: str, endpoint: str, completion_window: str,
+                     metadata: dict[str, str] | None) -> Batch:
+        batch_id = f"batch_{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+        expires = created + COMPLETION_WINDOWS[completion_window]
+        self._transaction(lambda db: db.execute(
+            "INSERT INTO batches (id, status, endpoint, input_file_id, completion_window, metadata, created_at, "
+            "expires_at) VALUES (?, 'validating', ?, ?, ?, ?, ?, ?)",
+            (batch_id, endpoint, input_file_id, completion_window, json.dumps(metadata) if metadata else None,
+             created, expires)))
+        return self.get_batch(batch_id)
+
+    def _batch(self, row: sqlite3.Row, counts: BatchRequestCounts) -> Batch:
+        errors = json.loads(row["errors"]) if row["errors"] else None
+        return Batch(id=row["id"], endpoint=row["endpoint"], input_file_id=row["input_file_id"],
+                     completion_window=row["completion_window"], status=row["status"],
+                     output_file_id=row["output_file_id"], error_file_id=row["error_file_id"],
+                     created_at=row["created_at"], in_progress_at=row["in_progress_at"],
+                     expires_at=row["expires_at"], finalizing_at=row["finalizing_at"],
+                     completed_at=row["completed_at"], failed_at=row["failed_at"],
+                     cancelling_at=row["cancelling_at"], cancelled_at=row["cancelled_at"],
+                     errors=BatchErrors(data=[BatchError(**e) for e in errors]) if errors else None,
+                     request_counts=counts, metadata=json.loads(row["metadata"]) if row["metadata"] else None)
+
+    def counts(self, batch_id: str) -> BatchRequestCounts:
+        [row] = self._query(
+            "SELECT COUNT(*) AS total, SUM(status_code BETWEEN 200 AND 299) AS completed, "
+            "SUM(status_code IS NOT NULL AND status_code NOT BETWEEN 200 AND 299) AS failed "
+            "FROM batch_lines WHERE batch_id = ?", (batch_id,))
+        return BatchRequestCounts(total=row["total"] or 0, completed=row["completed"] or 0, failed=row["failed"] or 0)
+
+    def get_batch(self, batch_id: str) -> Batch | None:
+        rows = self._query("SELECT * FROM batches WHERE id = ?", (batch_id,))
+        return self._batch(rows[0], self.counts(batch_id)) if rows else None
+
+    def list_batches(self, limit: int = 20, after: str | None = None) -> list[Batch]:
+        rows = self._query("SELECT * FROM batches ORDER BY rowid DESC")
+        if after is not None:
+            ids = [r["id"] for r in rows]
+            rows = rows[ids.index(after) + 1:] if after in ids else []
+        return [self._batch(r, self.counts(r["id"])) for r in rows[:limit]]
+
+    def status(self, batch_id: str) -> str | None:
+        rows = self._query("SELECT status FROM batches WHERE id = ?", (batch_id,))
+        return rows[0]["status"] if rows else None
+
+    def unfinished(self) -> list[str]:
+        marks = ", ".join("?" * len(UNFINISHED))
+        return [r["id"] for r in self._query(f"SELECT id FROM batches WHERE status IN ({marks}) ORDER BY rowid",
+                                             UNFINISHED)]
+
+    def start(self, batch_id: str, lines: list[tuple[int, str, str]]) -> None:
+        """Rule 2: the lines and the in_progress status land together."""
+        def work(db: sqlite3.Connection) -> None:
+            db.execute("DELETE FROM batch_lines WHERE batch_id = ?", (batch_id,))
+            db.executemany("INSERT INTO batch_lines (batch_id, line, custom_id, body) VALUES (?, ?, ?, ?)",
+                           [(batch_id, n, c, b) for n, c, b in lines])
+            db.execute("UPDATE batches SET status = 'in_progress', in_progress_at = ? WHERE id = ? "
+                       "AND status = 'validating'", (int(time.time()), batch_id))
+        self._transaction(work)
+
+    def fail(self, batch_id: str, errors: list[BatchError]) -> None:
+        self._transaction(lambda db: db.execute(
+            "UPDATE batches SET status = 'failed', failed_at = ?, errors = ? WHERE id = ?",
+            (int(time.time()), json.dumps([e.model_dump() for e in errors]), batch_id)))
+
+    def request_cancel(self, batch_id: str) -> bool:
+        return self._transaction(lambda db: db.execute(
+            "UPDATE batches SET status = 'cancelling', cancelling_at = ? WHERE id = ? AND status IN "
+            "('validating', 'in_progress')", (int(time.time()), batch_id)).rowcount) > 0
+
+    def pending_lines(self, batch_id: str) -> list[tuple[int, str, dict]]:
+        rows = self._query("SELECT line, custom_id, body FROM batch_lines WHERE batch_id = ? AND status_code IS NULL "
+                           "ORDER BY line", (batch_id,))
+        return [(r["line"], r["custom_id"], json.loads(r["body"])) for r in rows]
+
+    def answer(self, batch_id: str, line: int, status_code: int, response: dict, request_id: str) -> bool:
+        """Rule 3: the first answer of a line is kept, any later one ignored."""
+        return self._transaction(lambda db: db.execute(
+            "UPDATE batch_lines SET status_code = ?, response = ?, request_id = ?, answered_at = ? "
+            "WHERE batch_id = ? AND line = ? AND status_code IS NULL",
+            (status_code, json.dumps(response), request_id, int(time.time()), batch_id, line)).rowcount) > 0
+
+    def finalize(self, batch_id: str, final_status: str) -> None:
+        """Output and error files from the stored answers, and the final status, in one transaction."""
+        def work(db: sqlite3.Connection) -> None:
+            now = int(time.time())
+            rows = db.execute("SELECT line, custom_id, status_code, response, request_id FROM batch_lines "
+                              "WHERE batch_id = ? ORDER BY line", (batch_id,)).fetchall()
+            output, errors = [], []
+            for r in rows:
+                entry: dict[str, Any] = {"id": f"batch_req_{batch_id.removeprefix('batch_')}_{r['line']}",
+                                         "custom_id": r["custom_id"]}
+                if r["status_code"] is None:
+                    entry |= {"response": None, "error": {"code": "batch_cancelled",
+                                                          "message": "the batch was cancelled before this request ran"}}
+                    errors.append(entry)
+                    continue
+                entry |= {"response": {"status_code": r["status_code"], "request_id": r["request_id"],
+                                       "body": json.loads(r["response"])}, "error": None}
+                (output if 200 <= r["status_code"] < 300 else errors).append(entry)
+            file_ids = {}
+            for kind, entries in (("output", output), ("error", errors)):
+                if not entries:
+                    continue
+                content = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries).encode()
+                file_id = f"file-{batch_id}-{kind}"
+                db.execute("INSERT OR REPLACE INTO files VALUES (?, 'batch_output', ?, ?, ?, ?)",
+                           (file_id, f"{batch_id}_{kind}.jsonl", len(content), now, content))
+                file_ids[kind] = file_id
+            stamp = "completed_at" if final_status == "completed" else "cancelled_at"
+            db.execute(f"UPDATE batches SET status = ?, {stamp} = ?, output_file_id = ?, error_file_id = ?, "
+                       "finalizing_at = COALESCE(finalizing_at, ?) WHERE id = ?",
+                       (final_status, now, file_ids.get("output"), file_ids.get("error"), now, batch_id))
+        self._transaction(work)
+
+    def mark_finalizing(self, batch_id: str) -> None:
+        self._transaction(lambda db: db.execute(
+            "UPDATE batches SET status = 'finalizing', finalizing_at = ? WHERE id = ? AND status = 'in_progress'",
+            (int(time.time()), batch_id)))
+
+
+class BatchRunner:
+    """Answers batches in creation order, up to `max_concurrent` lines in flight, resuming on start."""
+
+    def __init__(self, store: BatchStore, execute: Executor, max_concurrent: int) -> None:
+        self.store, self.execute, self.max_concurrent = store, execute, max_concurrent
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="nowait-batch-runner")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            batch_ids: list[str] = []
+            try:
+                batch_ids = await asyncio.to_thread(self.store.unfinished)
+                for batch_id in batch_ids:
+                    await self._process(batch_id)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # keep the runner alive; the batch is retried on the next pass
+                log.exception("batch runner pass failed")
+                await asyncio.sleep(1.0)
+            if not batch_ids:
+                self._wake.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), 1.0)
+
+    async def _process(self, batch_id: str) -> None:
+        store = self.store
+        batch = await asyncio.to_thread(store.get_batch, batch_id)
+        if batch.status == "validating":
+            content = await asyncio.to_thread(store.file_content, batch.input_file_id)
+            try:
+                if content is None:
+                    raise BatchInputError([BatchError(code="invalid_input_file",
+                                                      message=f"input file {batch.input_file_id} no longer exists")])
+                lines = parse_input(content, batch.endpoint)
+            except BatchInputError as error:
+                await asyncio.to_thread(store.fail, batch_id, error.errors)
+                return
+            await asyncio.to_thread(store.start, batch_id, lines)
+        if await asyncio.to_thread(store.status, batch_id) in ("in_progress", "cancelling"):
+            await self._answer_lines(batch_id, batch.endpoint)
+        status = await asyncio.to_thread(store.status, batch_id)
+        if status == "in_progress" and not await asyncio.to_thread(store.pending_lines, batch_id):
+            await asyncio.to_thread(store.mark_finalizing, batch_id)
+            status = "finalizing"
+        if status in ("finalizing", "cancelling"):
+            await asyncio.to_thread(store.finalize, batch_id, "completed" if status == "finalizing" else "cancelled")
+
+    async def _answer_lines(self, batch_id: str, endpoint: str) -> None:
+        slots = asyncio.Semaphore(self.max_concurrent)
+        tasks: set[asyncio.Task] = set()
+        try:
+            for line, custom_id, body in await asyncio.to_thread(self.store.pending_lines, batch_id):
+                await slots.acquire()
+                if self.store.status(batch_id) != "in_progress":  # cancelled: run nothing new
+                    slots.release()
+                    break
+                task = asyncio.create_task(self._answer(batch_id, endpoint, line, custom_id, body))
+                task.add_done_callback(lambda _t: slots.release())
+                tasks.add(task)
+            await asyncio.gather(*tasks)
+        except asyncio.CancelledError:
+            for task in tasks:
+                task.cancel()
+            raise
+
+    async def _answer(self, batch_id: str, endpoint: str, line: int, custom_id: str, body: dict) -> None:
+        request_id = f"req_{batch_id.removeprefix('batch_')}_{line}"
+        while True:
+            status, response, retry_after = await self.execute(endpoint, body, request_id)
+            if status != 429:
+                break
+            # A full engine queue is back-pressure, not an answer: wait and try again.
+            await asyncio.sleep(retry_after or 0.5)
+        await asyncio.to_thread(self.store.answer, batch_id, line, status, response, request_id)

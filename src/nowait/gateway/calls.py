@@ -1,0 +1,141 @@
+"""OpenAI request bodies -> `Call`s: the request metadata, the prompt, the schema, the sampling.
+
+Metadata comes from the body's `"nowait"` object, else the `x-nowait-*` headers, else the config's
+defaults (the body wins when both are given: it is the more specific of the two). Features nowait
+cannot honour are refused here with a 400 naming the field, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+
+from nowait.gateway.config import RequestDefaults
+from nowait.gateway.domain import Call, Metadata, Sampling
+from nowait.gateway.errors import bad_request
+from nowait.gateway.prompts import plain_messages, response_schema
+from nowait.gateway.schemas import ChatCompletionRequest, CompletionRequest, NowaitRequestOptions, SamplingRequest
+from nowait.router import DataClass
+
+HEADERS = {
+    "latency_budget_ms": "x-nowait-latency-budget-ms",
+    "token_value_usd_per_mtok": "x-nowait-token-value",
+    "data_class": "x-nowait-data-class",
+    "batchable": "x-nowait-batchable",
+}
+TRUE, FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def _header_value(name: str, header: str, raw: str) -> float | bool | DataClass:
+    value = raw.strip()
+    if name == "batchable":
+        if value.lower() in TRUE | FALSE:
+            return value.lower() in TRUE
+        raise bad_request(f"{header} must be true or false, got {raw!r}", param=header)
+    if name == "data_class":
+        try:
+            return DataClass(value.lower())
+        except ValueError:
+            raise bad_request(f"{header} must be one of {', '.join(c.value for c in DataClass)}, got {raw!r}",
+                              param=header) from None
+    try:
+        number = float(value)
+    except ValueError:
+        raise bad_request(f"{header} must be a number, got {raw!r}", param=header) from None
+    if number < 0 or (name == "latency_budget_ms" and number == 0) or number != number:
+        raise bad_request(f"{header} must be {'> 0' if name == 'latency_budget_ms' else '>= 0'}, got {raw!r}",
+                          param=header)
+    return number
+
+
+def metadata(options: NowaitRequestOptions | None, headers: Mapping[str, str], defaults: RequestDefaults,
+             batch: bool = False, batch_data_class: DataClass | None = None) -> Metadata:
+    """The routing metadata of one request. Batch lines default to batchable (they are offline)."""
+    given = {name: _header_value(name, header, headers[header]) for name, header in HEADERS.items()
+             if header in headers}
+    if options is not None:
+        given.update(options.model_dump(exclude_none=True))
+    return Metadata(
+        latency_budget_ms=given.get("latency_budget_ms", defaults.latency_budget_ms),
+        token_value_usd_per_mtok=given.get("token_value_usd_per_mtok", defaults.token_value_usd_per_mtok),
+        data_class=DataClass(given.get("data_class", batch_data_class or defaults.data_class)),
+        batchable=given.get("batchable", True if batch else defaults.batchable),
+    )
+
+
+def _refuse_unsupported(body: SamplingRequest) -> None:
+    if body.logprobs or getattr(body, "top_logprobs", None):
+        raise bad_request("logprobs are not supported by nowait", param="logprobs", code="unsupported_parameter")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise bad_request(f"{name} is not supported by nowait", param=name, code="unsupported_parameter")
+    if body.n > 1 and body.stream:
+        raise bad_request("n > 1 is not supported with stream: true", param="n", code="unsupported_parameter")
+
+
+def _sampling(body: SamplingRequest, max_tokens: int | None, index: int) -> Sampling:
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    # n > 1 with a seed: a different seed per choice, or every sampled choice would be the same.
+    seed = body.seed + index if body.seed is not None else None
+    return Sampling(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                    seed=seed, stop=tuple(s for s in stop if s))
+
+
+def chat_calls(body: ChatCompletionRequest, headers: Mapping[str, str], defaults: RequestDefaults,
+               request_id: str, batch: bool = False, batch_data_class: DataClass | None = None) -> list[Call]:
+    """One Call per requested choice (`n`)."""
+    _refuse_unsupported(body)
+    if body.tools or body.tool_choice not in (None, "none"):
+        raise bad_request("tools and tool_choice are not supported by nowait", param="tools",
+                          code="unsupported_parameter")
+    messages = plain_messages(body.messages)
+    schema, json_mode = response_schema(body.response_format)
+    meta = metadata(body.nowait, headers, defaults, batch, batch_data_class)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    response_format = body.response_format.model_dump(by_alias=True, exclude_none=True) if body.response_format \
+        else None
+    return [Call(request_id=f"{request_id}-{i}" if body.n > 1 else request_id, endpoint="chat", model=body.model,
+                 meta=meta, sampling=_sampling(body, max_tokens, i), messages=messages, schema=schema,
+                 json_mode=json_mode, response_format=response_format) for i in range(body.n)]
+
+
+def prompts_of(body: CompletionRequest) -> list[str | list[int]]:
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt is empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return list(prompt)
+
+
+def completion_calls(body: CompletionRequest, headers: Mapping[str, str], defaults: RequestDefaults,
+                     request_id: str, batch: bool = False,
+                     batch_data_class: DataClass | None = None) -> list[Call]:
+    """One Call per prompt and choice, prompt-major (choice index = prompt index x n + choice)."""
+    _refuse_unsupported(body)
+    if body.echo or body.suffix or (body.best_of or 1) > 1:
+        raise bad_request("echo, suffix and best_of are not supported by nowait", param="echo",
+                          code="unsupported_parameter")
+    prompts = prompts_of(body)
+    if body.stream and len(prompts) > 1:
+        raise bad_request("several prompts are not supported with stream: true", param="prompt",
+                          code="unsupported_parameter")
+    schema, json_mode = response_schema(body.response_format)
+    meta = metadata(body.nowait, headers, defaults, batch, batch_data_class)
+    response_format = body.response_format.model_dump(by_alias=True, exclude_none=True) if body.response_format \
+        else None
+    calls = []
+    for p, prompt in enumerate(prompts):
+        for i in range(body.n):
+            index = p * body.n + i
+            calls.append(Call(request_id=f"{request_id}-{index}" if len(prompts) * body.n > 1 else request_id,
+                              endpoint="completions", model=body.model, meta=meta,
+                              sampling=_sampling(body, body.max_tokens, i), prompt=prompt, schema=schema,
+                              json_mode=json_mode, response_format=response_format))
+    return calls

@@ -1,0 +1,262 @@
+"""Route, run, fall back, account: one Call in, one Outcome out.
+
+    decision = route(...) (model "nowait") or pin(...) (an engine's name)
+    the chosen engine must be available and may receive the request's data class (checked here,
+        and again by a remote backend right before its I/O)
+    run it; a failing remote upstream fails over to the owned frontier engine
+    a fast-engine (diffusion) answer below the confidence threshold, or not valid for the requested
+        schema, re-runs on the fallback engine (AR); both runs are paid for
+    every request, answered or not, goes to the audit log and the metrics
+
+Streams: a stream routed to the fast engine is held until its confidence is known (diffusion
+answers in a few parallel passes, and a stream cannot take back text it already sent), then sent;
+every other stream is relayed as the engine produces it, and its route header is known up front.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from nowait.gateway.domain import Attempt, AttemptStream, Backend, Call
+from nowait.gateway.engines import SCHEMA_UNSUPPORTED
+from nowait.gateway.errors import APIError, engine_unavailable, forbidden_destination, unknown_model
+from nowait.gateway.ledger import AuditLog
+from nowait.gateway.metrics import GatewayMetrics
+from nowait.gateway.prompts import conforms
+from nowait.gateway.remote import UpstreamFailure
+from nowait.router import DataClass, Decision, RoutingPolicy, failover, pin, route, should_fall_back
+
+
+@dataclass
+class Outcome:
+    """A request's answer and its story: the decision, every engine tried, the total cost."""
+
+    call: Call
+    decision: Decision
+    attempts: list[Attempt] = field(default_factory=list)
+    reason: str = ""
+    fallback_cause: str | None = None  # confidence | invalid_output | upstream_failure | schema_unsupported
+
+    @property
+    def fallback(self) -> bool:
+        return self.fallback_cause is not None
+
+    @property
+    def final(self) -> Attempt:
+        return self.attempts[-1]
+
+    @property
+    def cost_usd(self) -> float:
+        return sum(a.cost_usd for a in self.attempts)
+
+
+class Dispatcher:
+    def __init__(self, backends: dict[str, Backend], policy: RoutingPolicy, router_model: str, metrics: GatewayMetrics,
+                 audit: AuditLog, timeout_s: float) -> None:
+        self.backends, self.policy, self.router_model = backends, policy, router_model
+        self.metrics, self.audit, self.timeout_s = metrics, audit, timeout_s
+
+    def model_names(self) -> list[str]:
+        return [self.router_model] + [n for n, b in self.backends.items() if b.available]
+
+    def decide(self, call: Call) -> Decision:
+        if call.model == self.router_model:
+            return route(call.meta.route_request(), self.policy)
+        if call.model in self.backends:
+            return pin(call.model, self.policy)
+        raise unknown_model(call.model, self.model_names())
+
+    def backend(self, engine: str, call: Call) -> Backend:
+        """The engine to run, after the availability and data-class checks."""
+        backend = self.backends[engine]
+        if not backend.available:
+            raise engine_unavailable(engine, backend.unavailable_reason)
+        if not backend.may_receive(call.meta.data_class):
+            raise forbidden_destination(f"{DataClass(call.meta.data_class).value} data may not be sent to remote "
+                                        f"engine {engine!r}")
+        return backend
+
+    # --- non-streaming ---
+
+    def _decide(self, call: Call, started: float) -> Decision:
+        """`decide`, with a refusal (unknown model) logged like any other answer."""
+        try:
+            return self.decide(call)
+        except APIError as error:
+            self._account(Outcome(call, Decision("", f"refused: {error.message}", rule="none")), started, error)
+            raise
+
+    async def complete(self, call: Call) -> Outcome:
+        started = time.perf_counter()
+        decision = self._decide(call, started)
+        outcome = Outcome(call, decision, reason=decision.reason)
+        try:
+            await self._run_with_fallbacks(outcome)
+        except APIError as error:
+            self._account(outcome, started, error=error)
+            raise
+        except asyncio.CancelledError:
+            self._account(outcome, started, error=APIError(499, "client closed the request", code="cancelled"))
+            raise
+        self._account(outcome, started)
+        return outcome
+
+    async def _run_with_fallbacks(self, outcome: Outcome) -> None:
+        call, decision = outcome.call, outcome.decision
+        attempt = await self._first_attempt(outcome)
+        if attempt.engine != decision.engine or decision.fallback_engine is None:
+            return
+        found = self.fallback_cause(attempt, call)
+        if found is not None:
+            outcome.fallback_cause, why = found
+            outcome.reason += f"; {why}: re-ran on {decision.fallback_engine}"
+            outcome.attempts.append(await self._run(decision.fallback_engine, call))
+
+    async def _first_attempt(self, outcome: Outcome) -> Attempt:
+        call, decision = outcome.call, outcome.decision
+        try:
+            attempt = await self._run(decision.engine, call)
+        except APIError as error:
+            alternative = self._alternative(decision, error)
+            if alternative is None:
+                raise
+            self._note_failure(outcome, error, alternative)
+            attempt = await self._run(alternative, call)
+        outcome.attempts.append(attempt)
+        return attempt
+
+    @staticmethod
+    def _note_failure(outcome: Outcome, error: APIError, alternative: str) -> None:
+        outcome.attempts.append(Attempt(engine=outcome.decision.engine, finish_reason="error", outcome=error.message))
+        outcome.fallback_cause = "upstream_failure" if isinstance(error, UpstreamFailure) else "schema_unsupported"
+        outcome.reason += f"; {error.message}: re-ran on {alternative}"
+
+    def _alternative(self, decision: Decision, error: APIError) -> str | None:
+        """Where to go when the first engine could not answer at all (not: answered badly)."""
+        if isinstance(error, UpstreamFailure) and decision.rule != "pinned":
+            return failover(decision.engine, self.policy)
+        if error.code == SCHEMA_UNSUPPORTED and decision.fallback_engine is not None:
+            return decision.fallback_engine
+        return None
+
+    def fallback_cause(self, attempt: Attempt, call: Call) -> tuple[str, str] | None:
+        """(cause, sentence) when a fast-engine answer is not good enough to hand back, else None."""
+        if attempt.confidence is not None and should_fall_back(attempt.confidence, self.policy):
+            return "confidence", (f"{attempt.engine} confidence {attempt.confidence:.3g} is below "
+                                  f"{self.policy.confidence_threshold:g}")
+        if call.json_mode and not conforms(attempt.text, call.schema):
+            return "invalid_output", f"{attempt.engine} output is not JSON valid for the requested format"
+        return None
+
+    async def _run(self, engine: str, call: Call) -> Attempt:
+        attempt = await self.backend(engine, call).run(call, self.timeout_s)
+        self.metrics.observe_attempt(attempt)
+        return attempt
+
+    # --- streaming ---
+
+    async def open_stream(self, call: Call) -> StreamPlan:
+        """Start a stream; raises APIError (as an HTTP error) while nothing has been sent."""
+        started = time.perf_counter()
+        decision = self._decide(call, started)
+        outcome = Outcome(call, decision, reason=decision.reason)
+        if decision.fallback_engine is not None:  # held: see the module docstring
+            try:
+                await self._run_with_fallbacks(outcome)
+            except APIError as error:
+                self._account(outcome, started, error=error)
+                raise
+            self._account(outcome, started)
+            return StreamPlan(self, outcome, started, outcome.final.engine, replay=outcome.final.text)
+        engine = decision.engine
+        try:
+            stream = await self.backend(engine, call).open_stream(call, self.timeout_s)
+        except APIError as error:
+            alternative = self._alternative(decision, error)
+            if alternative is None:
+                self._account(outcome, started, error=error)
+                raise
+            self._note_failure(outcome, error, alternative)
+            engine = alternative
+            try:
+                stream = await self.backend(engine, call).open_stream(call, self.timeout_s)
+            except APIError as second:
+                self._account(outcome, started, error=second)
+                raise
+        return StreamPlan(self, outcome, started, engine, stream=stream)
+
+    # --- accounting ---
+
+    def _account(self, outcome: Outcome, started: float, error: APIError | None = None) -> None:
+        call, decision = outcome.call, outcome.decision
+        answered = error is None and bool(outcome.attempts)
+        if answered:
+            fast_ran = decision.engine if decision.fallback_engine is not None and any(
+                a.engine == decision.engine and a.finish_reason != "error" for a in outcome.attempts) else None
+            fell_back_to = outcome.final.engine if outcome.fallback else None
+            self.metrics.observe_decision(decision.rule, decision.engine, fast_ran, fell_back_to,
+                                          outcome.fallback_cause or "")
+            self.metrics.gateway_e2e.labels(outcome.final.engine).observe(time.perf_counter() - started)
+        else:
+            self.metrics.observe_error(error.status if error else 500, error.code if error else None)
+            if error is not None:
+                error.accounted = True  # the HTTP error handler must not count it again
+        self.audit.record({
+            "request_id": call.request_id, "endpoint": call.endpoint, "model": call.model,
+            "status": 200 if answered else (error.status if error else 500),
+            "error": None if answered else (error.message if error else "no answer"),
+            "route": outcome.final.engine if answered else None, "decision": decision.engine, "rule": decision.rule,
+            "reason": outcome.reason, "fallback": outcome.fallback, "fallback_cause": outcome.fallback_cause,
+            "metadata": {"latency_budget_ms": call.meta.latency_budget_ms,
+                         "token_value_usd_per_mtok": call.meta.token_value_usd_per_mtok,
+                         "data_class": DataClass(call.meta.data_class).value, "batchable": call.meta.batchable},
+            "engines_tried": [attempt_record(a) for a in outcome.attempts],
+            "prompt_tokens": outcome.final.prompt_tokens if outcome.attempts else 0,
+            "completion_tokens": outcome.final.completion_tokens if outcome.attempts else 0,
+            "seconds": round(time.perf_counter() - started, 6), "cost_usd": outcome.cost_usd,
+        })
+
+
+def attempt_record(attempt: Attempt) -> dict:
+    return {"engine": attempt.engine, "outcome": attempt.outcome, "seconds": round(attempt.seconds, 6),
+            "compute_s": round(attempt.compute_s, 6), "prompt_tokens": attempt.prompt_tokens,
+            "completion_tokens": attempt.completion_tokens, "confidence": attempt.confidence,
+            "cost_usd": attempt.cost_usd}
+
+
+class StreamPlan:
+    """A started stream: the engine that answers (the route header), its deltas, and the Outcome
+    once the deltas are exhausted."""
+
+    def __init__(self, dispatcher: Dispatcher, outcome: Outcome, started: float, route: str,
+                 replay: str | None = None, stream: AttemptStream | None = None) -> None:
+        self.dispatcher, self.outcome, self.started, self.route = dispatcher, outcome, started, route
+        self.replay, self.stream = replay, stream
+
+    async def deltas(self) -> AsyncIterator[str]:
+        if self.replay is not None:
+            if self.replay:
+                yield self.replay
+            return
+        try:
+            async for text in self.stream.deltas():
+                yield text
+        except APIError as error:
+            self.dispatcher._account(self.outcome, self.started, error=error)
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            self.dispatcher._account(self.outcome, self.started,
+                                     error=APIError(499, "client closed the request", code="cancelled"))
+            raise
+        attempt = self.stream.attempt
+        if attempt is not None:
+            self.dispatcher.metrics.observe_attempt(attempt)
+            self.outcome.attempts.append(attempt)
+            self.dispatcher._account(self.outcome, self.started)
+
+    async def aclose(self) -> None:
+        if self.stream is not None:
+            await self.stream.aclose()

@@ -1,0 +1,211 @@
+"""Prometheus metrics, named as vLLM names them with a `nowait:` prefix, plus the live economics.
+
+Latency histograms (TTFT, inter-token, end to end, queue) and token counters are per engine, as
+vLLM's are per model. The gauges that make the mission's argument visible are computed at each
+scrape from a sliding window (`metrics_window_s`):
+
+    utilization                 = busy seconds / window
+    throughput                  = output tokens / busy second
+    effective $/Mtok (owned)    = node $/h / (throughput x utilization)    (planner.cost.cost_per_mtok)
+    effective $/Mtok (remote)   = spend / output tokens
+    with fallback (fast engine) = own + fallback rate x fallback engine's  (planner.cost.with_fallback)
+
+so an idle owned engine shows its cost per token rising, which is what the routing rule is about.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from nowait.gateway.ledger import TOKENS_PER_MTOK
+from nowait.planner.cost import cost_per_mtok, with_fallback
+
+if TYPE_CHECKING:
+    from nowait.gateway.domain import Attempt, Backend
+    from nowait.router import RoutingPolicy
+
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5)
+E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0)
+
+
+class EngineStats:
+    """One engine's busy time, tokens and spend over a sliding window; written by its worker
+    thread (or the event loop for remote engines), read at scrape time."""
+
+    def __init__(self, window_s: float, node_usd_per_hour: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s = window_s
+        self.node_usd_per_hour = node_usd_per_hour  # None: priced per token (remote)
+        self._clock = clock
+        self._started = clock()
+        self._samples: deque[tuple[float, float, int, float]] = deque()  # (time, busy_s, tokens, spend)
+        self._lock = threading.Lock()
+        self._mean_request_s = 0.0
+
+    def record(self, busy_s: float = 0.0, tokens: int = 0, spend_usd: float = 0.0) -> None:
+        now = self._clock()
+        with self._lock:
+            self._samples.append((now, busy_s, tokens, spend_usd))
+            self._trim(now)
+
+    def record_request(self, seconds: float) -> None:
+        """A finished request's wall time (a moving average, for Retry-After estimates)."""
+        with self._lock:
+            self._mean_request_s = seconds if not self._mean_request_s else 0.8 * self._mean_request_s + 0.2 * seconds
+
+    @property
+    def mean_request_s(self) -> float:
+        return self._mean_request_s
+
+    def _trim(self, now: float) -> None:
+        while self._samples and self._samples[0][0] < now - self.window_s:
+            self._samples.popleft()
+
+    def window(self) -> tuple[float, float, int, float]:
+        """(span_s, busy_s, tokens, spend_usd) over the window (shorter right after start)."""
+        now = self._clock()
+        with self._lock:
+            self._trim(now)
+            busy = sum(s[1] for s in self._samples)
+            tokens = sum(s[2] for s in self._samples)
+            spend = sum(s[3] for s in self._samples)
+        return max(min(self.window_s, now - self._started), 1e-9), busy, tokens, spend
+
+    def utilization(self) -> float:
+        span, busy, _, _ = self.window()
+        return min(1.0, busy / span)
+
+    def throughput(self) -> float:
+        """Output tokens per busy second (what the engine does while it works)."""
+        _, busy, tokens, _ = self.window()
+        return tokens / busy if busy > 0 else 0.0
+
+    def effective_usd_per_mtok(self) -> float:
+        """The live cost identity; NaN while nothing was produced in the window."""
+        span, busy, tokens, spend = self.window()
+        if tokens == 0:
+            return math.nan
+        if self.node_usd_per_hour is None:
+            return spend / tokens * TOKENS_PER_MTOK
+        return cost_per_mtok(self.node_usd_per_hour, tokens / busy, min(1.0, busy / span))
+
+
+class GatewayMetrics:
+    """The gateway's registry (one per app, so several apps in one process do not collide)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        engine = ["engine"]
+        self.ttft = Histogram("nowait:time_to_first_token_seconds", "Time to first token", engine,
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("nowait:inter_token_latency_seconds", "Time between output tokens", engine,
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("nowait:e2e_request_latency_seconds", "Engine time of a request, submission to answer",
+                             engine, buckets=E2E_BUCKETS, registry=r)
+        self.queue_time = Histogram("nowait:request_queue_time_seconds", "Time waiting before the engine started it",
+                                    engine, buckets=E2E_BUCKETS, registry=r)
+        self.gateway_e2e = Histogram("nowait:gateway_request_latency_seconds",
+                                     "Whole request at the gateway, fallback included", ["route"],
+                                     buckets=E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("nowait:prompt_tokens", "Prompt tokens processed", engine, registry=r)
+        self.generation_tokens = Counter("nowait:generation_tokens", "Output tokens generated", engine, registry=r)
+        self.request_success = Counter("nowait:request_success", "Engine runs finished", [*engine, "finished_reason"],
+                                       registry=r)
+        self.routed = Counter("nowait:routed_requests", "Requests by routing rule and first engine",
+                              ["rule", "engine"], registry=r)
+        self.fallbacks = Counter("nowait:fallbacks", "Requests re-run on another engine", ["engine", "to", "cause"],
+                                 registry=r)
+        self.errors = Counter("nowait:request_errors", "Requests answered with an error", ["status", "code"],
+                              registry=r)
+        self.cost = Counter("nowait:cost_usd", "Dollars spent, per engine", engine, registry=r)
+        self.running = Gauge("nowait:num_requests_running", "Requests being decoded", engine, registry=r)
+        self.waiting = Gauge("nowait:num_requests_waiting", "Requests queued for an engine", engine, registry=r)
+        self.utilization = Gauge("nowait:engine_utilization", "Busy share of the window", engine, registry=r)
+        self.throughput = Gauge("nowait:engine_throughput_tokens_per_second", "Output tokens per busy second",
+                                engine, registry=r)
+        self.effective_cost = Gauge("nowait:effective_cost_usd_per_mtok",
+                                    "Live cost per million output tokens: node $/h / (throughput x utilization)",
+                                    engine, registry=r)
+        self.effective_cost_with_fallback = Gauge(
+            "nowait:effective_cost_with_fallback_usd_per_mtok",
+            "Fast engine's cost per million tokens with its fallback's share folded in", engine, registry=r)
+        self.fallback_rate = Gauge("nowait:fallback_rate", "Share of this engine's answers re-run elsewhere", engine,
+                                   registry=r)
+        self.available = Gauge("nowait:engine_available", "1 when the engine can serve", engine, registry=r)
+        self._lock = threading.Lock()
+        self._answers: dict[str, int] = {}
+        self._fell_back: dict[str, int] = {}
+
+    def observe_attempt(self, attempt: Attempt) -> None:
+        e = attempt.engine
+        if attempt.prompt_tokens:
+            self.prompt_tokens.labels(e).inc(attempt.prompt_tokens)
+        if attempt.completion_tokens:
+            self.generation_tokens.labels(e).inc(attempt.completion_tokens)
+        self.cost.labels(e).inc(attempt.cost_usd)
+        self.request_success.labels(e, attempt.outcome).inc()
+        if attempt.outcome not in ("stop", "length"):
+            return
+        self.e2e.labels(e).observe(attempt.seconds)
+        self.queue_time.labels(e).observe(attempt.queued_s)
+        if attempt.first_token_s is not None:
+            self.ttft.labels(e).observe(attempt.first_token_s)
+            if attempt.completion_tokens > 1:
+                self.itl.labels(e).observe((attempt.seconds - attempt.first_token_s) / (attempt.completion_tokens - 1))
+
+    def observe_decision(self, rule: str, engine: str, fast_engine_ran: str | None, fell_back_to: str | None,
+                         cause: str) -> None:
+        """One answered request: its rule, and for a fast-engine answer whether it was re-run."""
+        self.routed.labels(rule, engine).inc()
+        if fast_engine_ran is not None:
+            with self._lock:
+                self._answers[fast_engine_ran] = self._answers.get(fast_engine_ran, 0) + 1
+                if fell_back_to is not None:
+                    self._fell_back[fast_engine_ran] = self._fell_back.get(fast_engine_ran, 0) + 1
+        if fell_back_to is not None:
+            self.fallbacks.labels(fast_engine_ran or engine, fell_back_to, cause).inc()
+
+    def observe_error(self, status: int, code: str | None) -> None:
+        self.errors.labels(str(status), code or "").inc()
+
+    def fallback_share(self, engine: str) -> float:
+        with self._lock:
+            answers = self._answers.get(engine, 0)
+            return self._fell_back.get(engine, 0) / answers if answers else 0.0
+
+    def refresh(self, backends: Iterable[Backend], policy: RoutingPolicy) -> None:
+        """Set the gauges from the engines' current state (called at each scrape)."""
+        costs = {}
+        for backend in backends:
+            name = backend.name
+            self.available.labels(name).set(1.0 if backend.available else 0.0)
+            if not backend.available:
+                continue
+            self.running.labels(name).set(backend.running())
+            self.waiting.labels(name).set(backend.waiting())
+            self.utilization.labels(name).set(backend.stats.utilization())
+            self.throughput.labels(name).set(backend.stats.throughput())
+            costs[name] = backend.stats.effective_usd_per_mtok()
+            self.effective_cost.labels(name).set(costs[name])
+        fast = policy.fast_engine
+        if fast is not None and fast in costs:
+            rate = self.fallback_share(fast)
+            self.fallback_rate.labels(fast).set(rate)
+            fallback_cost = costs.get(policy.fallback_engine, math.nan)
+            own = costs[fast]
+            folded = own if rate == 0 else with_fallback(own, rate, fallback_cost)
+            self.effective_cost_with_fallback.labels(fast).set(folded)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,108 @@
+"""Outcomes -> OpenAI response objects and server-sent-event chunks.
+
+The `model` field echoes what the client asked for (`nowait`, or an engine's name); which engine
+answered is in the `x-nowait-route` header and the `nowait` object, with the reason, whether a
+fallback ran, the confidence and the cost of every engine tried.
+"""
+
+from __future__ import annotations
+
+import json
+
+from nowait.gateway.dispatch import Outcome
+from nowait.gateway.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    CompletionChoice,
+    EngineAttempt,
+    NowaitInfo,
+    TextCompletion,
+    Usage,
+)
+
+ROUTE_HEADER = "x-nowait-route"
+
+
+def finish_reason(outcome: Outcome) -> str:
+    reason = outcome.final.finish_reason
+    return reason if reason in ("stop", "length") else "stop"
+
+
+def nowait_info(outcomes: list[Outcome]) -> NowaitInfo:
+    """The first choice's story, with the cost of every choice (what the request cost)."""
+    first = outcomes[0]
+    return NowaitInfo(
+        route=first.final.engine, reason=first.reason, rule=first.decision.rule, fallback=first.fallback,
+        confidence=first.final.confidence, cost_usd=sum(o.cost_usd for o in outcomes),
+        engines_tried=[EngineAttempt(engine=a.engine, seconds=round(a.seconds, 6), prompt_tokens=a.prompt_tokens,
+                                     completion_tokens=a.completion_tokens, confidence=a.confidence,
+                                     cost_usd=a.cost_usd, outcome=a.outcome) for a in first.attempts])
+
+
+def usage(outcomes: list[Outcome], prompts: int = 1) -> Usage:
+    """Output tokens of every choice; prompt tokens once per prompt (choices share their prompt)."""
+    per_prompt = max(1, len(outcomes) // max(1, prompts))
+    prompt = sum(o.final.prompt_tokens for o in outcomes[::per_prompt])
+    completion = sum(o.final.completion_tokens for o in outcomes)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def chat_completion(response_id: str, model: str, outcomes: list[Outcome]) -> ChatCompletion:
+    return ChatCompletion(
+        id=response_id, model=model, usage=usage(outcomes), nowait=nowait_info(outcomes),
+        choices=[ChatChoice(index=i, message=AssistantMessage(content=o.final.text), finish_reason=finish_reason(o))
+                 for i, o in enumerate(outcomes)])
+
+
+def text_completion(response_id: str, model: str, outcomes: list[Outcome], prompts: int) -> TextCompletion:
+    return TextCompletion(
+        id=response_id, model=model, usage=usage(outcomes, prompts), nowait=nowait_info(outcomes),
+        choices=[CompletionChoice(index=i, text=o.final.text, finish_reason=finish_reason(o))
+                 for i, o in enumerate(outcomes)])
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class ChunkWriter:
+    """The chunks of one streamed choice, chat or completions shaped."""
+
+    def __init__(self, endpoint: str, response_id: str, model: str, include_usage: bool) -> None:
+        self.endpoint, self.response_id, self.model, self.include_usage = endpoint, response_id, model, include_usage
+
+    def _chunk(self, text: str | None, finish: str | None = None, role: bool = False,
+               info: NowaitInfo | None = None) -> dict:
+        if self.endpoint == "chat":
+            delta = ChatDelta(role="assistant" if role else None, content=text)
+            chunk = ChatCompletionChunk(id=self.response_id, model=self.model, nowait=info,
+                                        choices=[ChatChunkChoice(index=0, delta=delta, finish_reason=finish)])
+        else:
+            chunk = TextCompletion(id=self.response_id, model=self.model, nowait=info,
+                                   choices=[CompletionChoice(index=0, text=text or "", finish_reason=finish)])
+        return chunk.model_dump(exclude_none=True) | ({"usage": None} if self.include_usage else {})
+
+    def opening(self) -> str | None:
+        """Chat streams open with the assistant role and no content (as OpenAI's do)."""
+        return sse(self._chunk("", role=True)) if self.endpoint == "chat" else None
+
+    def delta(self, text: str) -> str:
+        return sse(self._chunk(text))
+
+    def closing(self, outcome: Outcome) -> list[str]:
+        finish = self._chunk(None, finish=finish_reason(outcome), info=nowait_info([outcome]))
+        if self.endpoint == "chat":
+            finish["choices"][0]["delta"] = {}
+        out = [sse(finish)]
+        if self.include_usage:
+            object_name = "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"
+            out.append(sse({"id": self.response_id, "object": object_name, "created": finish["created"],
+                            "model": self.model, "choices": [], "usage": usage([outcome]).model_dump()}))
+        return out

@@ -1,0 +1,115 @@
+"""The gateway's config (defaults, YAML, errors naming the field), its CLI commands, the cost and
+metrics arithmetic, and a smoke run of `nowait bench gateway` with tiny counts."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import typer
+import yaml
+from typer.testing import CliRunner
+
+from nowait.bench.gateway import register as register_bench
+from nowait.gateway.cli import register as register_serve
+from nowait.gateway.config import ConfigError, default_config, load_config, parse_config
+from nowait.gateway.ledger import owned_cost_usd, remote_cost_usd
+from nowait.gateway.metrics import EngineStats
+from nowait.planner.cost import cost_per_mtok
+from nowait.router import DataClass, pin, restrict_to_available
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "nowait.yaml"
+
+
+def test_defaults_serve_the_demo_engines_behind_the_router_model():
+    config = default_config()
+    assert list(config.engines) == ["ar", "spec", "diffusion"]
+    assert config.server.router_model == "nowait" and config.server.host == "127.0.0.1"
+    assert config.defaults.data_class is DataClass.restricted  # data leaves only when the caller says so
+    policy = config.routing_policy()
+    assert (policy.batch_engine, policy.fast_engine, policy.fallback_engine) == ("ar", "diffusion", "ar")
+
+
+def test_the_example_config_is_valid_and_resolves_paths_next_to_it():
+    config = load_config(EXAMPLE)
+    assert "frontier-api" in config.engines and config.routing_policy().remote_frontier_engines
+    assert config.data_dir.is_absolute() and config.data_dir.parent == EXAMPLE.parent
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"engines": {"ar": {"kind": "ar", "max_num_seqs": 0}}}, "engines.ar.max_num_seqs: Input should be greater"),
+    ({"engines": {"ar": {"kind": "ar", "speed": 3}}}, "engines.ar.speed: Extra inputs are not permitted"),
+    ({"engines": {"ar": {"kind": "gpu"}}}, "engines.ar: Input tag 'gpu'"),
+    ({"engines": {"ar": {"kind": "ar"}, "api": {"kind": "remote", "base_url": "https://x/v1", "model": "m",
+                                                 "input_usd_per_mtok": 1, "output_usd_per_mtok": 2,
+                                                 "data_classes": ["restricted"]}}},
+     "engines.api: restricted data never leaves"),
+    ({"engines": {"ar": {"kind": "ar"}}, "routing": {"fast_engine": "diffusion"}},
+     "routing.fast_engine: 'diffusion' is not a configured engine"),
+    ({"engines": {"ar": {"kind": "ar"}, "api": {"kind": "remote", "base_url": "https://x/v1", "model": "m",
+                                                 "input_usd_per_mtok": 1, "output_usd_per_mtok": 2}},
+      "routing": {"fast_engine": None, "batch_engine": "api"}}, "routing.batch_engine: 'api' is an external"),
+    ({"engines": {"d": {"kind": "diffusion", "options": {"tau": 2}}}, "routing": {"fast_engine": "d"}},
+     "engines.d.options: tau must be in (0, 1]"),
+    ({"engines": {}}, "engines: "),
+])
+def test_a_bad_field_is_named(data, message):
+    with pytest.raises(ConfigError) as error:
+        parse_config(data, "nowait.yaml")
+    assert str(error.value).startswith("nowait.yaml: ") and message in str(error.value), str(error.value)
+
+
+def test_a_bad_file_is_one_clear_line(tmp_path):
+    path = tmp_path / "nowait.yaml"
+    path.write_text("engines: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_serve_and_bench_gateway_register_and_refuse_bad_configs(tmp_path):
+    app = typer.Typer()
+    register_serve(app)
+    bench = typer.Typer()
+    register_bench(bench)
+    app.add_typer(bench, name="bench")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"engines": {"ar": {"kind": "ar", "max_queue": -1}}}))
+    for args in (["serve", "--config", str(bad)], ["bench", "gateway", "--config", str(bad)]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2 and "engines.ar.max_queue" in result.output, result.output
+
+
+def test_costs_follow_the_cost_identity():
+    assert owned_cost_usd(3600, 36.0) == pytest.approx(36.0)
+    assert remote_cost_usd(1_000_000, 500_000, 2.0, 10.0) == pytest.approx(7.0)
+    now = [0.0]
+    stats = EngineStats(window_s=60, node_usd_per_hour=36.0, clock=lambda: now[0])
+    assert math.isnan(stats.effective_usd_per_mtok())
+    now[0] = 60.0
+    stats.record(busy_s=30.0, tokens=3000)  # 100 tokens per busy second, busy half the window
+    assert stats.utilization() == pytest.approx(0.5) and stats.throughput() == pytest.approx(100)
+    assert stats.effective_usd_per_mtok() == pytest.approx(cost_per_mtok(36.0, 100, 0.5))
+
+
+def test_router_extensions():
+    policy = default_config().routing_policy()
+    decision = pin("diffusion", policy)
+    assert decision.rule == "pinned" and decision.fallback_engine == "ar"
+    assert pin("spec", policy).fallback_engine is None
+    assert restrict_to_available(policy, {"ar", "spec"}).fast_engine is None
+
+
+def test_bench_gateway_smoke(tmp_path, codec):
+    from nowait.bench.gateway import run_gateway_bench
+    from tests.gateway_support import base_config, free_port, save_tiny_models
+
+    models = save_tiny_models(tmp_path / "models", codec)
+    config = parse_config(base_config(models, tmp_path / "data", free_port()))
+    result = run_gateway_bench(config, "ar", requests=3, clients=4, max_tokens=4)
+    assert result["concurrency"]["errors"] == 0 and result["concurrency"]["output_tokens"] == 16
+    assert set(result["latency"]["added_ms"]) == {"p50", "p99"}
+    json.dumps(result)

@@ -1,0 +1,199 @@
+"""Every refusal is an OpenAI error object: 401, 429 with Retry-After, bad JSON, unknown model,
+over-long prompt, invalid schema, unsupported parameters, an engine whose model is missing; and a
+client that hangs up cancels its work."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+from nowait.checkpoints import save_pretrained
+from nowait.gateway.errors import APIError
+from nowait.gateway.ledger import read_audit_log
+from tests.conftest import build_model
+from tests.gateway_support import API_KEY, base_config, free_port, live_server, save_tiny_models
+
+MESSAGES = [{"role": "user", "content": "Name: Ann"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, codec):
+    root = tmp_path_factory.mktemp("gateway-errors")
+    models = save_tiny_models(root / "models", codec)
+    long_model = save_pretrained(build_model(3, vocab_size=codec.vocab_size, max_position=4096), codec, root / "long")
+    config = base_config(models, root / "data", free_port())
+    config["engines"] |= {
+        # One sequence at a time and one waiting: the third concurrent request is refused.
+        "tight": {"kind": "ar", "model": str(long_model), "max_num_seqs": 1, "max_num_batched_tokens": 64,
+                  "max_queue": 1, "structured": False},
+        "mercury": {"kind": "diffusion", "model": str(root / "not-trained-yet")},
+    }
+    config["routing"] = {"fast_engine": "mercury"}  # missing: latency-bound work must go to AR instead
+    with live_server(config) as live:
+        yield live
+
+
+def post(server, path, **kwargs):
+    headers = {"Authorization": f"Bearer {API_KEY}", **kwargs.pop("headers", {})}
+    return httpx.post(f"{server.base_url}{path}", headers=headers, timeout=kwargs.pop("timeout", 30), **kwargs)
+
+
+def assert_error_object(response, status, code=None, param=None):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if code is not None:
+        assert error["code"] == code
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+def test_missing_or_wrong_api_key_is_401(server):
+    with pytest.raises(openai.AuthenticationError):
+        server.client(api_key="sk-wrong").chat.completions.create(model="ar", messages=MESSAGES)
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", json={"model": "ar", "messages": MESSAGES})
+    assert_error_object(response, 401, code="invalid_api_key")
+    assert httpx.get(f"{server.base_url}/healthz").status_code == 200  # health needs no key
+
+
+def test_bad_json_is_400(server):
+    response = post(server, "/v1/chat/completions", content=b'{"model": "ar", "messages": [',
+                    headers={"content-type": "application/json"})
+    assert_error_object(response, 400, code="invalid_json")
+
+
+def test_schema_violations_are_400_naming_the_field(server):
+    error = assert_error_object(post(server, "/v1/chat/completions", json={"model": "ar", "messages": []}), 400)
+    assert error["param"] == "messages"
+    error = assert_error_object(post(server, "/v1/chat/completions",
+                                     json={"model": "ar", "messages": MESSAGES, "max_tokens": 0}), 400)
+    assert error["param"] == "max_tokens"
+    error = assert_error_object(post(server, "/v1/chat/completions", json={"model": "ar", "messages": MESSAGES},
+                                     headers={"x-nowait-data-class": "secret"}), 400)
+    assert error["param"] == "x-nowait-data-class"
+
+
+def test_unknown_model_is_404(server):
+    with pytest.raises(openai.NotFoundError) as error:
+        server.client().chat.completions.create(model="gpt-imaginary", messages=MESSAGES)
+    assert error.value.body["code"] == "model_not_found" and "nowait" in error.value.body["message"]
+
+
+def test_an_over_long_prompt_is_400(server):
+    with pytest.raises(openai.BadRequestError) as error:
+        server.client().chat.completions.create(model="ar", messages=[{"role": "user", "content": "Ann " * 600}])
+    assert error.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as error:  # fits, but not with the output asked for
+        server.client().completions.create(model="ar", prompt="Name: Ann", max_tokens=600)
+    assert error.value.body["param"] == "max_tokens"
+
+
+def test_invalid_schema_is_400(server):
+    for schema in ({"type": "object", "properties": {"a": {"type": "nonsense"}}}, {"type": "array"}):
+        with pytest.raises(openai.BadRequestError) as error:
+            server.client().chat.completions.create(
+                model="ar", messages=MESSAGES,
+                response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+        assert error.value.body["param"] == "response_format.json_schema.schema"
+
+
+def test_unsupported_parameters_are_refused_not_ignored(server):
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        server.client().chat.completions.create(model="ar", messages=MESSAGES, logprobs=True)
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        server.client().chat.completions.create(
+            model="ar", messages=MESSAGES,
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+
+
+def test_a_missing_model_leaves_its_engine_unavailable_with_a_clear_error(server):
+    assert "mercury" not in {m.id for m in server.client().models.list()}
+    with pytest.raises(openai.InternalServerError) as error:
+        server.client().chat.completions.create(model="mercury", messages=MESSAGES)
+    assert error.value.status_code == 503 and "not-trained-yet" in error.value.body["message"]
+    # The router works around it: latency-bound, low-value work goes to AR.
+    raw = server.client().chat.completions.with_raw_response.create(model="nowait", messages=MESSAGES, max_tokens=4)
+    assert raw.headers["x-nowait-route"] == "ar"
+    ready = httpx.get(f"{server.base_url}/readyz").json()
+    assert ready["status"] == "ready" and ready["engines"]["mercury"]["available"] is False
+
+
+def test_a_full_queue_is_429_with_retry_after(server):
+    async def burst():
+        client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
+        calls = [client.completions.create(model="tight", prompt="Name:", max_tokens=300) for _ in range(6)]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    results = asyncio.run(burst())
+    refused = [r for r in results if isinstance(r, openai.RateLimitError)]
+    answered = [r for r in results if not isinstance(r, Exception)]
+    assert refused and len(answered) >= 2, results
+    assert int(refused[0].response.headers["retry-after"]) >= 1
+    assert refused[0].body["code"] == "rate_limit_exceeded"
+
+
+def test_a_client_that_hangs_up_cancels_its_work(server):
+    backend = server.gateway.backends["tight"]
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                      json={"model": "tight", "prompt": "Name:", "max_tokens": 3500, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                break  # got the first chunk: now hang up
+    deadline = time.monotonic() + 5
+    while backend.worker.running() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert backend.worker.running() == 0 and backend.in_flight == 0
+    entry = read_audit_log(server.config.audit_log_path)[-1]
+    assert entry["status"] == 499 and entry["model"] == "tight"
+
+
+def test_a_non_streaming_client_that_hangs_up_cancels_its_work(server):
+    backend = server.gateway.backends["tight"]
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        post(server, "/v1/completions", json={"model": "tight", "prompt": "Name:", "max_tokens": 3500},
+             timeout=0.5)
+    deadline = time.monotonic() + 5
+    while (backend.worker.running() or backend.in_flight) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert backend.worker.running() == 0 and backend.in_flight == 0
+    assert read_audit_log(server.config.audit_log_path)[-1]["status"] == 499
+
+
+def test_a_request_past_its_timeout_is_504_and_stops(server):
+    from nowait.gateway.domain import Call, Metadata, Sampling
+    from nowait.router import DataClass
+
+    backend = server.gateway.backends["tight"]
+    call = Call(request_id="slow", endpoint="completions", model="tight", prompt="Name:",
+                sampling=Sampling(max_tokens=3500), meta=Metadata(None, 1.0, DataClass.internal, False))
+    with pytest.raises(APIError) as error:
+        asyncio.run(backend.run(call, timeout_s=0.3))
+    assert error.value.status == 504 and error.value.code == "timeout"
+    deadline = time.monotonic() + 5
+    while backend.worker.running() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert backend.worker.running() == 0
+
+
+def error_counts(server) -> dict[str, float]:
+    text = httpx.get(f"{server.base_url}/metrics").text
+    return {line.split("{")[1].split("}")[0]: float(line.split()[-1]) for line in text.splitlines()
+            if line.startswith("nowait:request_errors_total{")}
+
+
+def test_errors_are_counted_once_and_refusals_logged(server):
+    before = error_counts(server)
+    with pytest.raises(openai.NotFoundError):
+        server.client().chat.completions.create(model="gpt-imaginary-2", messages=MESSAGES)
+    with pytest.raises(openai.AuthenticationError):
+        server.client(api_key="sk-wrong").models.list()
+    after = error_counts(server)
+    for labels in ('code="model_not_found",status="404"', 'code="invalid_api_key",status="401"'):
+        assert after[labels] - before.get(labels, 0) == 1, labels
+    refused = [e for e in read_audit_log(server.config.audit_log_path) if e["model"] == "gpt-imaginary-2"]
+    assert refused and refused[-1]["status"] == 404 and refused[-1]["rule"] == "none"
