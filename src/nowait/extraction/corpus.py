@@ -311,13 +311,15 @@ LETTER_OF_CREDIT = KindSpec(
             "expiry_date": DATE,
             "applicant": {"type": "string"},
             "beneficiary": {"type": "string"},
-            "amount": {"type": "number"},
+            # The code before the number: documents mostly write "USD 1,250,000", and a model
+            # that has just copied the number must otherwise look back past it for the code.
             "currency": {"type": "string", "pattern": "^[A-Z]{3}$"},
+            "amount": {"type": "number"},
             "issuing_bank": _string_type(True),
             "port_of_loading": _string_type(True),
             "incoterm": {"type": ["string", "null"], "enum": ["fob", "cif", "cfr", "exw", "dap", None]},
         },
-        ["lc_number", "issue_date", "expiry_date", "applicant", "beneficiary", "amount", "currency"],
+        ["lc_number", "issue_date", "expiry_date", "applicant", "beneficiary", "currency", "amount"],
     ),
     lines=(
         FieldSpec(("LC number", "Documentary credit number", "L/C No.", "Credit number"),
@@ -362,8 +364,8 @@ LOAN_APPLICATION = KindSpec(
         "Loan application",
         {
             "applicant_name": {"type": "string"},
+            "currency": {"type": "string", "pattern": "^[A-Z]{3}$"},  # before the amount, as above
             "loan_amount": {"type": "number"},
-            "currency": {"type": "string", "pattern": "^[A-Z]{3}$"},
             "term_months": {"type": "integer"},
             "purpose": {"type": "string", "enum": ["home", "auto", "business", "education", "personal"]},
             "annual_income": {"type": "number"},
@@ -372,7 +374,7 @@ LOAN_APPLICATION = KindSpec(
             "application_date": DATE_OR_NULL,
             "co_applicant": _string_type(True),
         },
-        ["applicant_name", "loan_amount", "currency", "term_months", "purpose", "annual_income",
+        ["applicant_name", "currency", "loan_amount", "term_months", "purpose", "annual_income",
          "employment_status"],
     ),
     lines=(
