@@ -13,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from nowait import paths
 from nowait.bench import bench_app
+from nowait.demo.cli import register as register_demo
 from nowait.gateway.cli import register as register_serve
 from nowait.planner.cli import register as register_plan
 
@@ -21,6 +22,7 @@ app = typer.Typer(help="nowait: route each request to the engine that pays, and 
 app.add_typer(bench_app, name="bench")
 register_plan(app)
 register_serve(app)
+register_demo(app)
 console = Console()
 err_console = Console(stderr=True)
 

@@ -11,3 +11,6 @@ from nowait.bench import batching, engines, physics  # noqa: E402, F401
 from nowait.bench.gateway import register as register_gateway_bench  # noqa: E402
 
 register_gateway_bench(bench_app)
+from nowait.bench.load import register as register_load_bench  # noqa: E402
+
+register_load_bench(bench_app)

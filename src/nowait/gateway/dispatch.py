@@ -224,7 +224,7 @@ def attempt_record(attempt: Attempt) -> dict:
     return {"engine": attempt.engine, "outcome": attempt.outcome, "seconds": round(attempt.seconds, 6),
             "compute_s": round(attempt.compute_s, 6), "prompt_tokens": attempt.prompt_tokens,
             "completion_tokens": attempt.completion_tokens, "confidence": attempt.confidence,
-            "cost_usd": attempt.cost_usd}
+            "cost_usd": attempt.cost_usd, "forwards": attempt.forwards}
 
 
 class StreamPlan:

@@ -77,6 +77,7 @@ class Attempt:
     queued_s: float = 0.0
     first_token_s: float | None = None
     compute_s: float = 0.0  # the engine's busy time attributed to this request
+    forwards: int | None = None  # model forwards the answer took (owned engines; the load bench reads it)
     cost_usd: float = 0.0
     outcome: str = ""  # finish reason, or what went wrong
 

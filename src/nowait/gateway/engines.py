@@ -460,7 +460,7 @@ class OwnedBackend:
                        prompt_tokens=completion.prompt_tokens, completion_tokens=completion.completion_tokens,
                        confidence=completion.confidence, seconds=t.total_s, queued_s=t.queued_s,
                        first_token_s=t.first_token_s if completion.completion_tokens else None,
-                       compute_s=ticket.compute_s,
+                       compute_s=ticket.compute_s, forwards=completion.forwards,
                        cost_usd=owned_cost_usd(ticket.compute_s, self.node_usd_per_hour))
 
     # --- the two ways to run ---

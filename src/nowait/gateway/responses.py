@@ -40,7 +40,8 @@ def nowait_info(outcomes: list[Outcome]) -> NowaitInfo:
         confidence=first.final.confidence, cost_usd=sum(o.cost_usd for o in outcomes),
         engines_tried=[EngineAttempt(engine=a.engine, seconds=round(a.seconds, 6), prompt_tokens=a.prompt_tokens,
                                      completion_tokens=a.completion_tokens, confidence=a.confidence,
-                                     cost_usd=a.cost_usd, outcome=a.outcome) for a in first.attempts])
+                                     cost_usd=a.cost_usd, outcome=a.outcome, forwards=a.forwards)
+                       for a in first.attempts])
 
 
 def usage(outcomes: list[Outcome], prompts: int = 1) -> Usage:

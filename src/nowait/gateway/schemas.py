@@ -123,6 +123,7 @@ class EngineAttempt(OpenAIObject):
     confidence: float | None
     cost_usd: float
     outcome: str  # the finish reason, or why the attempt did not answer
+    forwards: int | None = None  # model forwards of an owned engine (None: remote, or no answer)
 
 
 class NowaitInfo(OpenAIObject):

@@ -1,0 +1,147 @@
+"""`bench load --profile-out`: load-test records -> the planner's measured profile (nowait-profile/1).
+
+The planner wants the seconds of single forwards (docs/planner.md, "Measured profiles"); a load
+test sees requests. Each measurement below is read off the requests of one run, for one engine,
+using the engine's own structure:
+
+    AR prefill    synchronous run: batch 1, new_tokens = median prompt, context 0,
+                  seconds = median TTFT (the prefill forward emits the first token)
+    AR decode     every streamed run: batch = the engine's mean concurrency in the run (Little's
+                  law), new_tokens 1, context = mean prompt + half the mean answer,
+                  seconds = median inter-token latency (one decode step per token)
+    diffusion     every run whose answers say their forwards (the nowait gateway's
+                  `engines_tried[].forwards`, or the engine in process): batch = mean
+                  concurrency, new_tokens = mean answer window, context = mean prompt,
+                  seconds = median of (engine seconds / forwards)
+    parameters    diffusion tokens_per_forward = answer tokens / forwards over all runs;
+                  fallback_rate = share of diffusion answers the gateway re-ran
+
+These are upper bounds on a forward's time (queueing, HTTP and interleaved prefills land in the
+request timings), which is what a capacity plan should be conservative about. A speculative
+engine's step is a draft run plus a verify forward, not one forward, so `spec` answers are not
+written; nor are remote upstreams' (their hardware is not ours). An OpenAI-compatible server that
+says nothing about its engines (vLLM, SGLang) is taken to serve an AR model (`--profile-engine`).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from nowait.bench.load_metrics import RequestRecord
+from nowait.bench.load_runner import RunResult
+from nowait.planner.profile import DiffusionParameters, EngineParameters, Measurement, Profile
+
+
+class ProfileWriteError(ValueError):
+    """Nothing in the run can become a measurement (one clear line)."""
+
+
+def _median(values: list[float]) -> float:
+    return float(np.median(values))
+
+
+def _engine_records(result: RunResult) -> dict[str, list[RequestRecord]]:
+    groups: dict[str, list[RequestRecord]] = defaultdict(list)
+    for record in result.records:
+        if record.ok:
+            groups[record.engine or record.target].append(record)
+    return groups
+
+
+def _concurrency(records: list[RequestRecord], duration_s: float) -> int:
+    return max(1, round(sum(r.e2e_s for r in records) / duration_s)) if duration_s > 0 else 1
+
+
+def _ar_measurements(result: RunResult, records: list[RequestRecord], duration_s: float) -> list[Measurement]:
+    # Only answers from a single engine run: a fallback's timings mix two engines.
+    plain = [r for r in records if len(r.attempts) <= 1]
+    streamed = [r for r in plain if r.itl_s is not None and r.first_token_s is not None
+                and r.first_token_s < r.done_s]
+    if not streamed:
+        return []
+    prompt = float(np.mean([r.prompt_tokens for r in streamed]))
+    answer = float(np.mean([r.output_tokens for r in streamed]))
+    out = []
+    if result.spec.mode == "synchronous" and prompt >= 1:
+        out.append(Measurement(engine="ar", batch=1, new_tokens=max(1, round(_median([r.prompt_tokens
+                                                                                    for r in streamed]))),
+                               context=0, seconds=_median([r.ttft_s for r in streamed])))
+    itl = _median([r.itl_s for r in streamed])
+    if itl > 0:
+        out.append(Measurement(engine="ar", batch=_concurrency(streamed, duration_s), new_tokens=1,
+                               context=round(prompt + answer / 2), seconds=itl))
+    return out
+
+
+def _diffusion_runs(records: list[RequestRecord], engine: str) -> list[tuple[RequestRecord, float, int, int]]:
+    """(record, engine seconds, forwards, answer tokens) of each diffusion run that says its forwards."""
+    runs = []
+    for record in records:
+        for attempt in record.attempts:
+            if attempt.engine == engine and attempt.forwards and attempt.seconds > 0:
+                runs.append((record, attempt.seconds, attempt.forwards, attempt.completion_tokens))
+    return runs
+
+
+def build_profile(results: list[RunResult], kind_of: Callable[[str], str | None], model: str, hardware: str,
+                  default_kind: str = "ar") -> tuple[Profile, list[str]]:
+    """The planner profile of a load test, and notes on what was left out and why."""
+    measurements: list[Measurement] = []
+    notes: list[str] = []
+    tokens = forwards = 0
+    fast_answers = fell_back = 0
+    for result in results:
+        answered = [r for r in result.records if r.ok]
+        duration = max(r.done_s for r in result.records) - min(r.sent_s for r in result.records) \
+            if result.records else 0.0
+        for engine, records in _engine_records(result).items():
+            kind = kind_of(engine) or default_kind
+            if kind == "ar":
+                measurements += _ar_measurements(result, records, duration)
+            elif kind not in ("diffusion", "router"):
+                note = f"{engine} ({kind}): not written, " + (
+                    "a speculative step is a draft run plus a verify forward, not one forward" if kind == "spec"
+                    else "its hardware is not ours" if kind == "remote" else "no forward structure known")
+                if note not in notes:
+                    notes.append(note)
+        # Diffusion runs are read from the attempts, so an answer that fell back to AR still
+        # contributes its diffusion run (its forwards were spent all the same).
+        diffusion_engines = {a.engine for r in answered for a in r.attempts
+                             if (kind_of(a.engine) or default_kind) == "diffusion"}
+        for engine in sorted(diffusion_engines):
+            runs = _diffusion_runs(answered, engine)
+            if not runs:
+                continue
+            measurements.append(Measurement(
+                engine="diffusion", batch=_concurrency([r for r, *_ in runs], duration),
+                new_tokens=max(1, round(float(np.mean([t for *_, t in runs])))),
+                context=round(float(np.mean([r.prompt_tokens for r, *_ in runs]))),
+                seconds=_median([s / f for _, s, f, _ in runs])))
+            tokens += sum(t for *_, t in runs)
+            forwards += sum(f for _, _, f, _ in runs)
+        for record in answered:  # the fallback share of answers the router sent to diffusion first
+            if record.attempts and record.rule is not None and kind_of(record.attempts[0].engine) == "diffusion":
+                fast_answers += 1
+                fell_back += record.fallback
+    if not measurements:
+        raise ProfileWriteError("no measurement could be derived from this run for the planner: it needs streamed "
+                                "answers from an AR engine, or diffusion answers that report their forwards")
+    diffusion = DiffusionParameters(
+        tokens_per_forward=round(tokens / forwards, 4) if forwards else None,
+        fallback_rate=round(fell_back / fast_answers, 4) if fast_answers else None)
+    profile = Profile(model=model, hardware=hardware, measured_at=datetime.date.today().isoformat(),
+                      measurements=measurements, engine_parameters=EngineParameters(diffusion=diffusion))
+    return profile, notes
+
+
+def write_profile(profile: Profile, path: str | Path) -> Path:
+    """The profile as the JSON `nowait plan --profile` reads."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(profile.model_dump_json(indent=2) + "\n", encoding="utf-8")
+    return path

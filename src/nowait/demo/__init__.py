@@ -1,0 +1,1 @@
+"""`nowait demo`: the routing rule at work on a mixed workload, through the gateway's HTTP API."""

@@ -1,0 +1,82 @@
+"""bench load's planner profile: written from hand-made runs, read back by the planner."""
+
+from __future__ import annotations
+
+import pytest
+
+from nowait.bench.load_metrics import EngineRun, RequestRecord
+from nowait.bench.load_profile_out import ProfileWriteError, build_profile, write_profile
+from nowait.bench.load_runner import RunResult, RunSpec
+from nowait.planner.profile import PROFILE_FORMAT, fit_profile, load_profile
+
+KINDS = {"ar": "ar", "diffusion": "diffusion", "spec": "spec", "nowait": "router"}
+
+
+def ar_record(sent: float, ttft: float, itl: float, tokens: int = 11, prompt: int = 200) -> RequestRecord:
+    return RequestRecord(target="ar", engine="ar", sent_s=sent, first_token_s=sent + ttft,
+                         done_s=sent + ttft + itl * (tokens - 1), prompt_tokens=prompt, output_tokens=tokens,
+                         attempts=(EngineRun("ar", ttft + itl * (tokens - 1), prompt, tokens, forwards=tokens),))
+
+
+def diffusion_record(sent: float, seconds: float, forwards: int, fallback: bool = False) -> RequestRecord:
+    attempts = (EngineRun("diffusion", seconds, 180, 120, forwards=forwards),)
+    if fallback:
+        attempts += (EngineRun("ar", 0.5, 180, 100, forwards=100),)
+    return RequestRecord(target="nowait", engine="ar" if fallback else "diffusion", rule="fast", fallback=fallback,
+                         sent_s=sent, first_token_s=sent + seconds, done_s=sent + seconds, prompt_tokens=180,
+                         output_tokens=120, attempts=attempts)
+
+
+def runs() -> list[RunResult]:
+    synchronous = RunResult("ar", "ar", RunSpec("synchronous"),
+                            [ar_record(i * 1.0, ttft=0.05, itl=0.01) for i in range(5)])
+    # Four streams, each request 0.15 s, back to back over 0.6 s: four in flight on average.
+    concurrent = RunResult("ar", "ar", RunSpec("concurrent", 4.0),
+                           [ar_record(0.15 * (i // 4), ttft=0.05, itl=0.01) for i in range(16)])
+    fast = RunResult("nowait", "router", RunSpec("synchronous"),
+                     [diffusion_record(0.0, 0.2, 10), diffusion_record(0.2, 0.2, 10),
+                      diffusion_record(0.4, 0.2, 10), diffusion_record(0.6, 0.2, 10, fallback=True)])
+    return [synchronous, concurrent, fast]
+
+
+def test_measurements_follow_the_engines_structure():
+    profile, notes = build_profile(runs(), KINDS.get, model="demo", hardware="test box")
+    ar = [m for m in profile.measurements if m.engine == "ar"]
+    prefill = [m for m in ar if m.new_tokens > 1]
+    decode = sorted((m for m in ar if m.new_tokens == 1), key=lambda m: m.batch)
+    assert len(prefill) == 1 and prefill[0].batch == 1 and prefill[0].context == 0
+    assert prefill[0].new_tokens == 200 and prefill[0].seconds == pytest.approx(0.05)
+    assert [m.batch for m in decode] == [1, 4]
+    assert all(m.seconds == pytest.approx(0.01) and m.context == round(200 + 11 / 2) for m in decode)
+    [diffusion] = [m for m in profile.measurements if m.engine == "diffusion"]
+    assert diffusion.seconds == pytest.approx(0.02)  # 0.2 s over 10 forwards
+    assert (diffusion.new_tokens, diffusion.context) == (120, 180)
+    assert profile.engine_parameters.diffusion.tokens_per_forward == pytest.approx(12.0)  # 480 tokens, 40 forwards
+    assert profile.engine_parameters.diffusion.fallback_rate == pytest.approx(0.25)
+    assert notes == []
+
+
+def test_profile_round_trips_into_the_planner(tmp_path):
+    profile, _ = build_profile(runs(), KINDS.get, model="demo", hardware="test box")
+    path = write_profile(profile, tmp_path / "sub" / "bench.json")
+    loaded = load_profile(path)
+    assert loaded.format == PROFILE_FORMAT and loaded.hardware == "test box"
+    assert loaded.measurements == profile.measurements
+    fitted = fit_profile(loaded)
+    assert set(fitted) == {"ar", "diffusion"}
+    # The fit reproduces the decode step it was given (same context, batch 1).
+    assert fitted["ar"](1, 205, 1) == pytest.approx(0.01, rel=0.5)
+
+
+def test_speculative_and_unknown_answers_are_not_written_and_say_why():
+    spec_run = RunResult("spec", "spec", RunSpec("synchronous"),
+                         [RequestRecord("spec", 0.0, 0.5, 0.1, 100, 10, engine="spec")])
+    with pytest.raises(ProfileWriteError, match="no measurement"):
+        build_profile([spec_run], KINDS.get, model="m", hardware="h")
+    profile, notes = build_profile([*runs(), spec_run], KINDS.get, model="m", hardware="h")
+    assert any(note.startswith("spec (spec)") for note in notes)
+    # A server that says nothing about its engines is taken as AR (vLLM, SGLang) unless told otherwise.
+    plain = RunResult("llama", None, RunSpec("synchronous"),
+                      [RequestRecord("llama", 0.0, 0.3, 0.1, 100, 11) for _ in range(3)])
+    profile, _ = build_profile([plain], lambda name: None, model="llama", hardware="h")
+    assert {m.engine for m in profile.measurements} == {"ar"}
