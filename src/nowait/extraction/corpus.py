@@ -155,7 +155,9 @@ def _group_thousands(whole: int, separator: str) -> str:
     return f"{whole:,}".replace(",", separator)
 
 
-def _amount(style: Style, low: int, high: int, currency: tuple[str, str | None]) -> tuple[str, float | int]:
+def _amount(style: Style, low: int, high: int, currency: tuple[str, str | None],
+            with_code: bool = True) -> tuple[str, float | int]:
+    """An amount as documents write it; `with_code=False` when the currency has its own line."""
     rng = style.rng
     whole = rng.randint(low, high)
     # Round figures dominate real credit documents; cents appear on a minority.
@@ -167,6 +169,8 @@ def _amount(style: Style, low: int, high: int, currency: tuple[str, str | None])
     plain = f"{whole}.{cents:02d}" if cents else str(whole)
     us = _group_thousands(whole, ",") + (f".{cents:02d}" if cents or rng.random() < 0.5 else "")
     eu = _group_thousands(whole, ".") + f",{cents:02d}"  # always with decimals: "1.250" alone is ambiguous
+    if not with_code:
+        return style.rng.choice([plain, us, eu]), value
     formats = [f"{code} {plain}", f"{code} {us}", f"{us} {code}", f"{code} {eu}"]
     if symbol:
         formats.append(f"{symbol}{us}")
@@ -203,13 +207,22 @@ def _single(name: str, renderer: Callable[[Style], tuple[str, object]]):
     return render
 
 
+CURRENCY_LABELS = ("Currency", "Currency code", "Ccy")
+
+
 def _money(amount_key: str, currency_key: str | None, low: int, high: int):
-    def render(style: Style) -> tuple[str, dict[str, object]]:
+    """An amount with its currency: the code in the amount line, or (half of the varied
+    documents, as many forms do) the bare number and a separate currency line."""
+
+    def render(style: Style) -> tuple[str, dict[str, object]] | tuple[str, dict[str, object], list]:
         currency = style.rng.choice(pools.CURRENCIES)
-        text, value = _amount(style, low, high, currency)
+        separate = currency_key is not None and style.varied() and style.rng.random() < 0.5
+        text, value = _amount(style, low, high, currency, with_code=not separate)
         values: dict[str, object] = {amount_key: value}
         if currency_key:
             values[currency_key] = currency[0]
+        if separate:
+            return text, values, [(style.pick(list(CURRENCY_LABELS)), currency[0])]
         return text, values
 
     return render
@@ -454,12 +467,13 @@ def render_document(kind: str, rng: random.Random, variety: float = 1.0, noise_r
     for line in spec.lines:
         if line.optional and rng.random() < 0.35:
             continue
-        text, values = line.render(style)
+        text, values, *extra = line.render(style)
         fields.update(values)
         lines.append((style.pick(list(line.labels)), text))
+        lines.extend(extra[0] if extra else [])  # e.g. a currency stated on its own line
     if style.varied():
         for distractor in rng.sample(spec.distractors, k=rng.randint(1, 3)):
-            text, _ = distractor.render(style)
+            text, *_ = distractor.render(style)
             lines.insert(rng.randint(0, len(lines)), (style.pick(list(distractor.labels)), text))
     if style.varied():
         rng.shuffle(lines)
