@@ -20,11 +20,25 @@ from tests.gateway_support import API_KEY, base_config, free_port, live_server, 
 MESSAGES = [{"role": "user", "content": "Name: Ann"}]
 
 
+def never_ending_model(codec, tokens: int = 400):
+    """A tiny random model whose greedy answer to "Name:" runs at least `tokens` tokens, so the
+    timeout and hang-up tests always catch it mid-generation (which seed does so depends on the
+    test tokenizer, hence the search; it is deterministic)."""
+    from nowait.engines.autoregressive import greedy_decode
+
+    prompt = codec.encode("Name:")
+    for seed in range(3, 40):
+        model = build_model(seed, vocab_size=codec.vocab_size, max_position=4096)
+        if len(greedy_decode(model, [prompt], tokens, codec.end_id)[0]) == tokens:
+            return model
+    raise AssertionError("no seed in 3..39 gives a tiny model that keeps generating")
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, codec):
     root = tmp_path_factory.mktemp("gateway-errors")
     models = save_tiny_models(root / "models", codec)
-    long_model = save_pretrained(build_model(3, vocab_size=codec.vocab_size, max_position=4096), codec, root / "long")
+    long_model = save_pretrained(never_ending_model(codec), codec, root / "long")
     config = base_config(models, root / "data", free_port())
     config["engines"] |= {
         # One sequence at a time and one waiting: the third concurrent request is refused.

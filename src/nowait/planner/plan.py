@@ -285,9 +285,10 @@ def fold_fallback(diffusion: EnginePlan, fallback_rate: float, ar_usd_per_mtok: 
     diffusion.fallback_rate = fallback_rate
     if not diffusion.feasible or diffusion.own_cost_per_mtok_usd is None:
         return
-    diffusion.cost_per_mtok_usd = cost.with_fallback(diffusion.own_cost_per_mtok_usd, fallback_rate, ar_usd_per_mtok)
-    diffusion.cost_per_request_usd = diffusion.cost_per_mtok_usd * (diffusion.cost_per_request_usd or 0) \
-        / diffusion.own_cost_per_mtok_usd
+    own = diffusion.own_cost_per_mtok_usd
+    diffusion.cost_per_mtok_usd = cost.with_fallback(own, fallback_rate, ar_usd_per_mtok)
+    if own > 0:  # a free node (price 0) has no own cost to scale: its per-request cost stays as planned
+        diffusion.cost_per_request_usd = diffusion.cost_per_mtok_usd * (diffusion.cost_per_request_usd or 0) / own
     diffusion.fallback_latency_s = diffusion.p99_latency_s + ar_seconds
 
 
