@@ -10,7 +10,6 @@ batching. Each case below is timed with the real Transformer and costed with the
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import typer
 
 from nowait.bench import bench_app
 from nowait.model import KVCache, ModelConfig, Transformer
+from nowait.planner.hardware import time_best
 
 PROMPT_TOKENS = 170  # a typical extraction prompt of the demo corpus
 ANSWER_WINDOW = 160
@@ -50,16 +50,9 @@ def standard_cases(prompt: int = PROMPT_TOKENS, window: int = ANSWER_WINDOW,
 
 
 def _time_best(run, budget_s: float, repeats: int = 50) -> float:
-    """Fastest of up to `repeats` runs within `budget_s` (the run least disturbed by other work)."""
-    run()  # warm-up: allocation and kernel selection
-    best, started = float("inf"), time.perf_counter()
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - t0)
-        if time.perf_counter() - started > budget_s:
-            break
-    return best
+    """Fastest run within `budget_s`, after one warm-up run (allocation, kernel selection)."""
+    run()
+    return time_best(run, repeats, budget_s)
 
 
 @torch.no_grad()

@@ -93,7 +93,7 @@ NODES: dict[str, Node] = {n.name: n for n in [
 ]}
 
 
-def _time_best(run, repeats: int, budget_s: float) -> float:
+def time_best(run, repeats: int, budget_s: float) -> float:
     """The fastest of `repeats` runs (the least disturbed by other work), within a time budget."""
     best = float("inf")
     started = time.perf_counter()
@@ -124,13 +124,13 @@ def measure_host(budget_s: float = 3.0, threads: int | None = None) -> Accelerat
             n = 1024 if budget_s >= 1 else 256
             a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
             a @ b  # warm-up: first call pays for allocation and kernel selection
-            seconds = _time_best(lambda a=a, b=b: a @ b, repeats=20, budget_s=share)
+            seconds = time_best(lambda a=a, b=b: a @ b, repeats=20, budget_s=share)
             # significant digits, not decimals: a slow bf16 path must not round to 0
             peaks[dtype_name] = float(f"{2 * n**3 / seconds / 1e12:.4g}")
         elements = (64 if budget_s >= 1 else 8) * 2**20  # 256 MiB of fp32 at the full budget
         source, target = torch.ones(elements), torch.empty(elements)
         target.copy_(source)
-        seconds = _time_best(lambda: target.copy_(source), repeats=10, budget_s=share)
+        seconds = time_best(lambda: target.copy_(source), repeats=10, budget_s=share)
         bandwidth_tb_s = 2 * elements * 4 / seconds / 1e12
     finally:
         torch.set_num_threads(previous_threads)
