@@ -286,7 +286,7 @@ def train(settings: TrainSettings, run_dir: Path, export_dir: Path, tokenizer_pa
         optimizer.step()
         step += 1
         recent.append(parts["answer_loss"])
-        record = {"step": step, "loss": float(loss), **parts, "lr": learning_rate_at(step - 1, settings)}
+        record = {"step": step, "loss": loss.item(), **parts, "lr": learning_rate_at(step - 1, settings)}
         if step % 10 == 0:
             record["answer_loss_avg10"] = sum(recent[-10:]) / len(recent[-10:])
             record["elapsed_s"] = round(time.time() - started, 1)

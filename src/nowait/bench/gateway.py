@@ -139,6 +139,8 @@ def measure_added_latency(server: _Server, engine: str, requests: int, max_token
 async def _streaming_clients(port: int, engine: str, clients: int, max_tokens: int, api_key: str | None) -> dict:
     import httpx
 
+    from nowait.bench.load_http import sse_events
+
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     conversations = _messages(min(clients, 50))
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
@@ -153,14 +155,10 @@ async def _streaming_clients(port: int, engine: str, clients: int, max_tokens: i
                 if response.status_code != 200:
                     await response.aread()
                     return {"error": f"HTTP {response.status_code}: {response.text[:200]}"}
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+                async for event in sse_events(response):
+                    if event is None:
                         done = True
                         break
-                    event = json.loads(data)
                     if "error" in event:
                         return {"error": event["error"].get("message")}
                     if event.get("usage"):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -152,6 +152,18 @@ async def complete_chat(client: httpx.AsyncClient, base_url: str, request: LoadR
     return record_from_body(request, model, sent, done, 200, body, response.headers.get(ROUTE_HEADER), label=label)
 
 
+async def sse_events(response: httpx.Response) -> AsyncIterator[dict | None]:
+    """The JSON events of an OpenAI-style server-sent-event stream, then None for `data: [DONE]`."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            yield None
+            return
+        yield json.loads(data)
+
+
 async def stream_chat(client: httpx.AsyncClient, base_url: str, request: LoadRequest, model: str, t0: float,
                       timeout_s: float, label: str = "") -> RequestRecord:
     """One streamed chat completion, read to `[DONE]`: TTFT at the first content delta."""
@@ -168,14 +180,10 @@ async def stream_chat(client: httpx.AsyncClient, base_url: str, request: LoadReq
                 record.done_s = time.perf_counter() - t0
                 return record
             route = response.headers.get(ROUTE_HEADER)
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+            async for event in sse_events(response):
+                if event is None:
                     done = True
                     break
-                event = json.loads(data)
                 if "error" in event:  # an error after the first byte arrives as an event
                     record.error = str((event["error"] or {}).get("message") or event["error"])
                     break
