@@ -1,69 +1,39 @@
-"""Hugging Face checkpoint directories in and out: config.json, model.safetensors, tokenizer.json.
+"""Hugging Face checkpoint directories in and out: config.json, safetensors weights, tokenizer.
 
-The demo models are written as Llama checkpoints (config keys and tensor names of
-LlamaForCausalLM) plus a `nowait` section for what Llama's config cannot say: bidirectional
-attention, the mask token, Dream's logit shift. Each architecture is one entry of
-`ARCHITECTURES` (config reader + tensor-name mapping), so other families add an entry.
+Loading reads any architecture of `nowait.architectures` (Llama, Qwen2, LLaDA, Dream, and the
+demo models, which are written as Llama checkpoints plus a `nowait` config section for what
+Llama's config cannot say: bidirectional attention, the mask token, Dream's logit shift), from
+one model.safetensors or an index and its shards, in the dtype and on the device asked for.
+The model is built on the meta device and each tensor is read, converted and assigned in
+turn, so an 8B checkpoint never sits in memory twice. The tokenizer files give the model's
+conventions (`nowait.conventions`): end ids, mask id, chat template.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from nowait.architectures import ARCHITECTURES, Architecture, architecture_for, read_model_config
+from nowait.checkpoint_files import CheckpointError, iter_tensors, read_json, tensor_names, weight_files
+from nowait.conventions import ModelConventions, read_conventions
 from nowait.model import ModelConfig, Transformer
 from nowait.tokenizer import END, MASK, TextCodec
 
+__all__ = ["ARCHITECTURES", "CheckpointError", "LoadedModel", "load_pretrained", "save_pretrained"]
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be loaded; the message says which file and why."""
-
-
-@dataclass(frozen=True)
-class Architecture:
-    read_config: Callable[[dict], ModelConfig]
-    tensor_name: Callable[[str], str]  # nowait parameter name -> name in the file
-
-
-def _llama_config(hf: dict) -> ModelConfig:
-    extra = hf.get("nowait", {})
-    return ModelConfig(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=hf["num_attention_heads"],
-        num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        head_dim=hf.get("head_dim"),
-        rope_theta=hf.get("rope_theta", 10000.0),
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-        qkv_bias=bool(hf.get("attention_bias", False)) or hf.get("model_type") == "qwen2",
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        causal=extra.get("causal", True),
-        max_position=hf.get("max_position_embeddings", 2048),
-        mask_token_id=extra.get("mask_token_id"),
-        logits_shift=extra.get("logits_shift", False),
-    )
+ENGINE_KINDS = ("ar", "diffusion")
 
 
 def _llama_tensor_name(name: str) -> str:
-    return name if name.startswith("lm_head.") else f"model.{name}"
-
-
-ARCHITECTURES: dict[str, Architecture] = {
-    "LlamaForCausalLM": Architecture(_llama_config, _llama_tensor_name),
-    "Qwen2ForCausalLM": Architecture(_llama_config, _llama_tensor_name),
-}
+    return ARCHITECTURES["LlamaForCausalLM"].tensor_name(name)
 
 
 def config_to_hf(config: ModelConfig) -> dict:
@@ -83,6 +53,7 @@ def config_to_hf(config: ModelConfig) -> dict:
         "attention_bias": config.qkv_bias,
         "tie_word_embeddings": config.tie_embeddings,
         "max_position_embeddings": config.max_position,
+        **({"rope_scaling": config.rope_scaling} if config.rope_scaling else {}),
         "hidden_act": "silu",
         "torch_dtype": "float32",
         "nowait": {
@@ -123,64 +94,98 @@ class LoadedModel:
     hf_config: dict
     generation: dict
     path: Path
+    conventions: ModelConventions
 
     @property
     def engine_kind(self) -> str:
         return "ar" if self.model.config.causal else "diffusion"
 
 
-def _read_json(path: Path) -> dict:
+def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose float32, bfloat16 or float16")
+    return DTYPES[dtype]
+
+
+def check_device(device: str) -> None:
+    """Refuse a device this machine does not have before reading gigabytes of weights."""
     try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path.parent}: missing {path.name}") from None
-    except json.JSONDecodeError as error:
-        raise CheckpointError(f"{path}: not valid JSON ({error})") from None
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}; use cpu or cuda (cuda:N)") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: CUDA is not available on this machine")
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(str(path))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path.parent}: missing {path.name}") from None
-    except (SafetensorError, OSError, ValueError) as error:
-        raise CheckpointError(f"{path}: corrupted or truncated safetensors file ({error})") from None
+def load_weights(directory: Path, architecture: Architecture, config: ModelConfig, dtype: torch.dtype,
+                 device: str) -> Transformer:
+    """The Transformer of `config` with every parameter read from the directory's safetensors.
+
+    Every tensor in the files must map to a parameter and every parameter must be in the files
+    (a tied checkpoint may also carry the head's duplicate, which is skipped), so a mapping
+    mistake is an error naming the tensors, never a silently random layer.
+    """
+    with torch.device("meta"):
+        model = Transformer(config)
+    shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    expected = {architecture.tensor_name(name): name for name in shapes}
+    files = weight_files(directory)
+    where = tensor_names(files)
+    skipped = {architecture.head_name()} if config.tie_embeddings else set()
+    missing = sorted(set(expected) - set(where))
+    unexpected = sorted(set(where) - set(expected) - skipped)
+    if missing or unexpected:
+        raise CheckpointError(f"{directory}: tensors missing {missing[:5]} unexpected {unexpected[:5]} "
+                              f"({len(missing)} missing and {len(unexpected)} unexpected in all)")
+
+    def convert(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        want = shapes[expected[name]]
+        if tuple(tensor.shape) != want:
+            raise CheckpointError(f"{where[name]}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                  f"config.json implies {want}")
+        return tensor.to(device=device, dtype=dtype)
+
+    state = {expected[name]: tensor for name, tensor in iter_tensors(files, expected, convert)}
+    model.load_state_dict(state, assign=True)
+    return model
 
 
-def load_pretrained(directory: str | Path, dtype: str | torch.dtype = "float32",
-                    device: str = "cpu") -> LoadedModel:
-    """Load a checkpoint directory; unknown architectures and missing/unexpected tensors are errors."""
+def load_pretrained(directory: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
+                    engine: str | None = None) -> LoadedModel:
+    """Load a checkpoint directory; unknown architectures and missing/unexpected tensors are errors.
+
+    `engine` ("ar" or "diffusion") overrides the attention the checkpoint declares (causal for
+    AR); a diffusion engine needs a mask token, from config.json or tokenizer_config.json.
+    """
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: no such checkpoint directory")
-    hf = _read_json(directory / "config.json")
-    names = hf.get("architectures") or ["?"]
-    architecture = ARCHITECTURES.get(names[0])
-    if architecture is None:
-        raise CheckpointError(f"{directory}: unsupported architecture {names[0]!r} "
-                              f"(supported: {', '.join(ARCHITECTURES)})")
-    config = architecture.read_config(hf)
-    torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-    with torch.device("meta"):
-        model = Transformer(config)
-    tensors = _read_tensors(directory / "model.safetensors")
-    expected = {architecture.tensor_name(k): k for k in model.state_dict()}
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    if missing or unexpected:
-        raise CheckpointError(f"{directory}: tensors missing {missing[:5]} unexpected {unexpected[:5]}")
-    state = {expected[name]: tensor.to(device=device, dtype=torch_dtype) for name, tensor in tensors.items()}
-    model.load_state_dict(state, assign=True)
-    if config.tie_embeddings:
-        model.lm_head = None
-    codec = TextCodec.from_file(directory / "tokenizer.json") if (directory / "tokenizer.json").exists() else None
-    if codec is None:
+    if engine is not None and engine not in ENGINE_KINDS:
+        raise ValueError(f"unknown engine {engine!r}; choose ar or diffusion")
+    dtype = torch_dtype(dtype)
+    check_device(device)
+    hf = read_json(directory / "config.json")
+    try:
+        architecture = architecture_for(hf)
+        config = read_model_config(architecture, hf)
+    except CheckpointError as error:
+        raise CheckpointError(f"{directory}: {error}") from None
+    if engine is not None:
+        config.causal = engine == "ar"
+    if not (directory / "tokenizer.json").is_file():
         raise CheckpointError(f"{directory}: missing tokenizer.json")
-    if config.mask_token_id is None and codec.tokenizer.token_to_id(MASK) is not None:
-        config.mask_token_id = codec.mask_id
-    generation_path = directory / "generation_config.json"
-    generation = _read_json(generation_path) if generation_path.exists() else {}
-    return LoadedModel(model=model.eval(), codec=codec, hf_config=hf, generation=generation, path=directory)
+    codec = TextCodec.from_file(directory / "tokenizer.json")
+    generation = read_json(directory / "generation_config.json", required=False)
+    conventions = read_conventions(directory, hf, generation, codec, config)
+    config.mask_token_id = conventions.mask_id
+    if not config.causal and config.mask_token_id is None:
+        raise CheckpointError(f"{directory}: a diffusion engine needs a mask token; neither config.json "
+                              "(mask_token_id) nor tokenizer_config.json (mask_token) names one")
+    model = load_weights(directory, architecture, config, dtype, device)
+    return LoadedModel(model=model.eval(), codec=codec, hf_config=hf, generation=generation, path=directory,
+                       conventions=conventions)
 
 
 def copy_checkpoint(source: str | Path, destination: str | Path) -> None:

@@ -99,9 +99,14 @@ def _load_model(model: str, engine: str):
     from nowait.checkpoints import CheckpointError, load_pretrained
 
     try:
-        return load_pretrained(paths.model_dir(model))
+        loaded = load_pretrained(paths.model_dir(model))
     except CheckpointError as error:
         fail(str(error))
+    if loaded.codec.end_id is None:
+        # eval and extract decode with the demo prompt and its <|endoftext|> end token.
+        fail(f"{loaded.path}: eval and extract need the demo tokenizer's <|endoftext|> token, which this "
+             "checkpoint's tokenizer lacks; use `nowait generate` for it")
+    return loaded
 
 
 @app.command("eval")
@@ -253,6 +258,55 @@ def extract(
         return
     console.print_json(result.text) if result.value is not None else console.print(result.text, highlight=False)
     console.print(", ".join(f"{k}={v}" for k, v in how.items()), style="dim", highlight=False)
+
+
+class EngineKind(str, Enum):
+    ar = "ar"
+    diffusion = "diffusion"
+
+
+class Dtype(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+@app.command()
+def generate(
+    model: str = typer.Option(..., "--model", help="checkpoint directory (Llama, Qwen2, LLaDA, Dream) "
+                                                   "or a bundled demo model: ar, draft, diffusion"),
+    prompt: str = typer.Option(..., "--prompt", help="the user message (wrapped in the model's chat template)"),
+    max_tokens: int = typer.Option(128, "--max-tokens", help="tokens to generate at most"),
+    engine: EngineKind = typer.Option(None, "--engine", help="ar or diffusion (default: what the checkpoint is)"),
+    temperature: float = typer.Option(0.0, "--temperature", help="0: greedy; above 0: sampled"),
+    seed: int = typer.Option(None, "--seed", help="seed of the sampler (with --temperature)"),
+    dtype: Dtype = typer.Option(Dtype.float32, "--dtype", help="weights and activations: float32, bfloat16, float16"),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N"),
+    raw: bool = typer.Option(False, "--raw", help="encode the prompt as is, without the chat template"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object (text, token_ids, stats)"),
+) -> None:
+    """Generate from one prompt with a checkpoint from a local path, greedy unless a temperature is given."""
+    from nowait.checkpoints import CheckpointError, load_pretrained
+    from nowait.engines.base import InvalidRequestError
+    from nowait.generate import completion_record, generate_once
+
+    if max_tokens < 1:
+        fail("--max-tokens must be at least 1")
+    if temperature < 0:
+        fail("--temperature must be >= 0")
+    try:
+        loaded = load_pretrained(paths.model_dir(model), dtype=dtype.value, device=device,
+                                 engine=engine.value if engine else None)
+        completion, seconds = generate_once(loaded, prompt, max_tokens, temperature, seed, chat=not raw)
+    except (CheckpointError, InvalidRequestError, ValueError) as error:
+        fail(str(error))
+    record = completion_record(loaded, completion, seconds, dtype.value, device)
+    if as_json:
+        print(json.dumps(record, ensure_ascii=False))
+        return
+    print(completion.text)
+    stats = ("engine", "finish_reason", "prompt_tokens", "completion_tokens", "forwards", "seconds")
+    err_console.print(", ".join(f"{k}={record[k]}" for k in stats), style="dim", highlight=False)
 
 
 def main() -> None:

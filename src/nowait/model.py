@@ -8,6 +8,7 @@ over new tokens that reuses a prefix's keys/values (exact against a block-causal
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
@@ -25,6 +26,9 @@ class ModelConfig:
     num_kv_heads: int = 4
     head_dim: int | None = None  # hidden_size // num_heads unless a checkpoint says otherwise
     rope_theta: float = 10000.0
+    # None: plain RoPE. {"rope_type": "llama3", ...}: Llama 3.1's frequency scaling (see
+    # `inverse_frequencies`); the only scaling nowait implements, checkpoints.py refuses others.
+    rope_scaling: dict | None = None
     rms_norm_eps: float = 1e-5
     qkv_bias: bool = False
     tie_embeddings: bool = True
@@ -142,9 +146,30 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rotary_tables(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None = None,
+                        device: torch.device | str = "cpu") -> Tensor:
+    """RoPE's per-pair frequencies theta^(-2i/d), [head_dim / 2].
+
+    Llama 3.1 ("llama3" scaling) stretches the long wavelengths by `factor` so a model
+    pretrained on `original_max_position_embeddings` positions reads longer contexts; short
+    wavelengths are kept, and the band between is interpolated smoothly.
+    """
+    frequency = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    if not scaling:
+        return frequency
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / frequency
+    smooth = ((original / wavelength - low) / (high - low)).clamp(0.0, 1.0)
+    blended = (1 - smooth) * frequency / factor + smooth * frequency
+    return torch.where(wavelength > original / low, frequency / factor,
+                       torch.where(wavelength < original / high, frequency, blended))
+
+
+def rotary_tables(positions: Tensor, head_dim: int, theta: float,
+                  scaling: dict | None = None) -> tuple[Tensor, Tensor]:
     """cos/sin of RoFormer's rotary embedding at integer positions [B, T] -> [B, T, 1, head_dim]."""
-    inverse_frequency = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    inverse_frequency = inverse_frequencies(head_dim, theta, scaling, positions.device)
     angles = positions.float()[..., None] * inverse_frequency
     angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
     return angles.cos(), angles.sin()
@@ -168,7 +193,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.num_heads * hd, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, layer: int,
-                cache: KVCache | None, write_positions: Tensor | None, key_slots: int) -> Tensor:
+                cache: KVCache | None, write_positions: Tensor | slice | None, key_slots: int) -> Tensor:
         batch, length, _ = x.shape
         c = self.config
         q = self.q_proj(x).view(batch, length, c.num_heads, c.head_dim)
@@ -176,7 +201,12 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, length, c.num_kv_heads, c.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
-            if write_positions is not None:
+            if isinstance(write_positions, slice):  # one row: a contiguous write, no scatter
+                cache.keys[layer][:, write_positions] = k.to(cache.keys[layer].dtype)
+                cache.values[layer][:, write_positions] = v.to(cache.values[layer].dtype)
+                k = cache.keys[layer][:, :key_slots].to(q.dtype)
+                v = cache.values[layer][:, :key_slots].to(q.dtype)
+            elif write_positions is not None:
                 rows = torch.arange(batch, device=x.device)[:, None].expand_as(write_positions)
                 cache.keys[layer][rows, write_positions] = k.to(cache.keys[layer].dtype)
                 cache.values[layer][rows, write_positions] = v.to(cache.values[layer].dtype)
@@ -215,7 +245,7 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, layer: int,
-                cache: KVCache | None, write_positions: Tensor | None, key_slots: int) -> Tensor:
+                cache: KVCache | None, write_positions: Tensor | slice | None, key_slots: int) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, layer, cache, write_positions, key_slots)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -259,17 +289,18 @@ class Transformer(nn.Module):
         batch, length = input_ids.shape
         device = input_ids.device
         c = self.config
+        padded = valid_lengths is not None
         if valid_lengths is None:
             valid_lengths = torch.full((batch,), length, dtype=torch.long, device=device)
         offsets = cache.lengths if cache is not None else torch.zeros(batch, dtype=torch.long, device=device)
         if positions is None:
             positions = offsets[:, None] + torch.arange(length, device=device)
-        cos, sin = rotary_tables(positions, c.head_dim, c.rope_theta)
+        cos, sin = rotary_tables(positions, c.head_dim, c.rope_theta, c.rope_scaling)
         mask, write_positions, key_slots = attention_mask, None, 0
         if mask is not None:
             mask = mask[:, None]
         if cache is not None:
-            mask, write_positions, key_slots = self._cache_mask(cache, length, valid_lengths, write_cache)
+            mask, write_positions, key_slots = self._cache_mask(cache, length, valid_lengths, write_cache, padded)
         elif mask is None and (not c.causal) and bool((valid_lengths < length).any()):
             mask = key_padding_mask(valid_lengths, length)[:, None, None, :].expand(batch, 1, length, length)
         x = self.embed_tokens(input_ids)
@@ -279,11 +310,23 @@ class Transformer(nn.Module):
             cache.lengths = cache.lengths + valid_lengths
         return F.linear(self.norm(x), self.output_weight())
 
-    def _cache_mask(self, cache: KVCache, length: int, valid_lengths: Tensor,
-                    write_cache: bool) -> tuple[Tensor, Tensor | None, int]:
+    def _cache_mask(self, cache: KVCache, length: int, valid_lengths: Tensor, write_cache: bool,
+                    padded: bool = True) -> tuple[Tensor | None, Tensor | slice | None, int]:
         device = cache.lengths.device
         prefix = cache.lengths
         new_index = torch.arange(length, device=device)
+        if write_cache and cache.batch == 1 and not padded and self.config.causal:
+            # One row, no padding (batch-1 decode, a speculative verify): every cached key is
+            # valid, so one new token needs no mask at all and several need only the causal
+            # tail; the keys go to one contiguous slice. Same result, a fraction of the ops.
+            start = int(prefix[0])
+            if start + length > cache.max_tokens:
+                raise ValueError(f"KV cache holds {cache.max_tokens} tokens; this forward needs more")
+            mask = None
+            if length > 1:
+                slot = torch.arange(start + length, device=device)
+                mask = (slot[None, :] <= (start + new_index)[:, None])[None, None]
+            return mask, slice(start, start + length), start + length
         if write_cache:
             if int((prefix + length).max()) > cache.max_tokens:
                 raise ValueError(f"KV cache holds {cache.max_tokens} tokens; this forward needs more")

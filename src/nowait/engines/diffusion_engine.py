@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -37,7 +37,9 @@ class DiffusionEngine:
     kind = "diffusion"
 
     def __init__(self, model: Transformer, codec: TextCodec, options: DiffusionOptions | None = None,
-                 max_batch: int = 8, name: str = "diffusion") -> None:
+                 max_batch: int = 8, name: str = "diffusion", *, end_ids: Sequence[int] | None = None) -> None:
+        """`end_ids`: the checkpoint's end-of-text ids (`LoadedModel.conventions.end_ids`); an
+        answer ends at the first of any of them. Default: the demo tokenizer's end token."""
         if model.config.causal:
             raise ValueError("the diffusion engine needs a bidirectional model; this one is causal (AR)")
         if max_batch < 1:
@@ -49,12 +51,17 @@ class DiffusionEngine:
         self.max_batch = max_batch
         self.name = name
         self.mask_id = model.config.mask_token_id if model.config.mask_token_id is not None else codec.mask_id
-        self.end_id = codec.end_id
+        if self.mask_id is None:
+            raise ValueError("the diffusion engine needs a mask token; this model and tokenizer name none")
+        self.end_ids = tuple(end_ids) if end_ids else (codec.end_id,)
+        if None in self.end_ids:
+            raise ValueError("give end_ids: this tokenizer has no <|endoftext|> token to default to")
+        self.end_id = self.end_ids[0]  # also pads the rows of a batch
         self.compiler = TemplateCompiler(codec, self.mask_id)
 
     def plan(self, request: GenerationRequest) -> DecodePlan:
         """Validate a request (InvalidRequestError) and lay out its answer window."""
-        return plan_request(request, self.options, self.model.config, self.compiler, self.mask_id, self.end_id)
+        return plan_request(request, self.options, self.model.config, self.compiler, self.mask_id, self.end_ids)
 
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
         plans = [self.plan(request) for request in requests]  # refuse bad requests before any work

@@ -104,8 +104,13 @@ class DecodePlan:
 
 
 def plan_request(request: GenerationRequest, defaults: DiffusionOptions, config: ModelConfig,
-                 compiler: TemplateCompiler, mask_id: int, end_id: int) -> DecodePlan:
-    """Validate a request and lay out its answer window, or raise InvalidRequestError."""
+                 compiler: TemplateCompiler, mask_id: int, end_ids: tuple[int, ...]) -> DecodePlan:
+    """Validate a request and lay out its answer window, or raise InvalidRequestError.
+
+    `end_ids`: the model's end-of-text ids; free-form answers end at any of them (and at the
+    request's stop ids). Template slots are padded with the tokenizer's <|endoftext|>, the one
+    end token `nowait.engines.structured` knows, so a template needs the tokenizer to have it.
+    """
     prompt = list(request.prompt_ids)
     if not prompt:
         raise InvalidRequestError("prompt_ids is empty: a diffusion request needs a prompt to condition on")
@@ -119,6 +124,9 @@ def plan_request(request: GenerationRequest, defaults: DiffusionOptions, config:
     if request.schema is not None:
         if not isinstance(request.schema, dict):
             raise InvalidRequestError("schema must be a JSON Schema object")
+        if compiler.codec.end_id is None:
+            raise InvalidRequestError("schema: template infilling pads slots with <|endoftext|>, which this "
+                                      "model's tokenizer lacks")
         try:
             template = compiler.compile(request.schema)
         except SchemaTemplateError as error:
@@ -138,4 +146,5 @@ def plan_request(request: GenerationRequest, defaults: DiffusionOptions, config:
     return DecodePlan(request=request, options=options, prompt=prompt, window=window, fillable=fillable,
                       blocks=block_ranges(fillable, options.block), template=template,
                       # A template's slots end with the end token only; stop ids apply to free-form.
-                      end_ids=frozenset({end_id} if template else {end_id, *request.sampling.stop_token_ids}))
+                      end_ids=frozenset({compiler.codec.end_id} if template
+                                        else {*end_ids, *request.sampling.stop_token_ids}))

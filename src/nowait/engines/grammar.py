@@ -92,9 +92,11 @@ class GrammarCompiler:
 
     @classmethod
     def from_codec(cls, codec: TextCodec, vocab_size: int | None = None,
-                   options: GrammarOptions | None = None) -> GrammarCompiler:
-        """`vocab_size`: the model's (it may pad the tokenizer's vocabulary with unused rows)."""
-        return cls(codec.tokenizer.to_str(), codec.end_id, vocab_size=vocab_size, options=options)
+                   options: GrammarOptions | None = None, end_id: int | None = None) -> GrammarCompiler:
+        """`vocab_size`: the model's (it may pad the tokenizer's vocabulary with unused rows).
+        `end_id`: the checkpoint's end-of-text id (default: the demo tokenizer's end token)."""
+        return cls(codec.tokenizer.to_str(), codec.end_id if end_id is None else end_id, vocab_size=vocab_size,
+                   options=options)
 
     def grammar(self, schema: dict) -> str:
         key = json.dumps(schema, sort_keys=True)

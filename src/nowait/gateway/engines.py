@@ -35,6 +35,7 @@ import torch
 
 from nowait import paths
 from nowait.checkpoints import CheckpointError, LoadedModel, load_pretrained
+from nowait.conventions import ModelConventions, apply_chat_template, encode_prompt
 from nowait.engines.autoregressive import AutoregressiveEngine, EngineConfig
 from nowait.engines.base import Completion, GenerationRequest, InvalidRequestError, SamplingParams
 from nowait.engines.diffusion_engine import DiffusionEngine
@@ -374,8 +375,12 @@ class OwnedBackend:
     unavailable_reason = ""
 
     def __init__(self, name: str, kind: str, worker: EngineWorker, codec: TextCodec, max_model_len: int,
-                 capacity: int, max_queue: int, node_usd_per_hour: float, default_max_tokens: int) -> None:
+                 capacity: int, max_queue: int, node_usd_per_hour: float, default_max_tokens: int,
+                 conventions: ModelConventions | None = None) -> None:
+        """`conventions`: the checkpoint's (chat template, end ids); None or a demo checkpoint's:
+        prompts take the demo models' trained shape (`nowait.gateway.prompts.chat_prompt`)."""
         self.name, self.kind, self.worker, self.codec = name, kind, worker, codec
+        self.conventions = conventions
         self.max_model_len, self.capacity, self.max_queue = max_model_len, capacity, max_queue
         self.node_usd_per_hour = node_usd_per_hour
         self.default_max_tokens = default_max_tokens
@@ -402,8 +407,17 @@ class OwnedBackend:
     def prompt_ids(self, call: Call) -> list[int]:
         if isinstance(call.prompt, list):
             return list(call.prompt)
-        text = chat_prompt(call.messages) if call.endpoint == "chat" else call.prompt or ""
-        return self.codec.encode(text)
+        conventions = self.conventions
+        if conventions is None or conventions.nowait_prompt:
+            text = chat_prompt(call.messages) if call.endpoint == "chat" else call.prompt or ""
+            return self.codec.encode(text)
+        if call.endpoint != "chat":
+            return encode_prompt(self.codec, call.prompt or "", templated=False)
+        try:  # a real checkpoint: its own chat template, as its model was fine-tuned on
+            text = apply_chat_template(conventions, call.messages)
+        except ValueError as error:
+            raise bad_request(f"messages: {error}", param="messages", code="chat_template_failed") from None
+        return encode_prompt(self.codec, text, templated=True)
 
     def generation_request(self, call: Call) -> GenerationRequest:
         """Tokenize and check a call against this engine's context, or raise a 400 naming the field."""
@@ -420,9 +434,11 @@ class OwnedBackend:
                                 f"the {where}{' or max_tokens' if limit is not None else ''}.",
                            param="max_tokens" if room > 0 else where, code="context_length_exceeded")
         s = call.sampling
+        # An engine stops on one end id of its own; the checkpoint's others go in as stop ids.
         sampling = SamplingParams(max_tokens=limit if limit is not None else min(self.default_max_tokens, room),
                                   temperature=s.temperature or 0.0, top_p=s.top_p or 1.0, top_k=s.top_k or 0,
-                                  seed=s.seed)
+                                  seed=s.seed,
+                                  stop_token_ids=self.conventions.extra_end_ids if self.conventions else ())
         schema = call.schema
         if self.kind == "diffusion" and schema == ANY_OBJECT:
             schema = None  # no template for "any object": decode free-form, the dispatcher checks the JSON
@@ -598,7 +614,8 @@ class ModelCache:
 def _grammar(loaded: LoadedModel) -> GrammarCompiler:
     from nowait.engines.grammar import GrammarCompiler  # llguidance only when structured output is on
 
-    return GrammarCompiler.from_codec(loaded.codec, vocab_size=loaded.model.config.vocab_size)
+    return GrammarCompiler.from_codec(loaded.codec, vocab_size=loaded.model.config.vocab_size,
+                                      end_id=loaded.conventions.end_id)
 
 
 def build_owned(name: str, spec: ArEngineConfig | SpecEngineConfig | DiffusionEngineConfig, cache: ModelCache,
@@ -609,23 +626,27 @@ def build_owned(name: str, spec: ArEngineConfig | SpecEngineConfig | DiffusionEn
         stats = EngineStats(window_s, spec.node_usd_per_hour)
         if isinstance(spec, DiffusionEngineConfig):
             engine = DiffusionEngine(loaded.model, loaded.codec, DiffusionOptions(**spec.options),
-                                     max_batch=spec.max_batch, name=name)
+                                     max_batch=spec.max_batch, name=name, end_ids=loaded.conventions.end_ids)
             worker: EngineWorker = DiffusionWorker(name, engine, loaded.codec, stats)
             return OwnedBackend(name, spec.kind, worker, loaded.codec, loaded.model.config.max_position,
-                                spec.max_batch, spec.max_queue, spec.node_usd_per_hour, default_max_tokens)
+                                spec.max_batch, spec.max_queue, spec.node_usd_per_hour, default_max_tokens,
+                                conventions=loaded.conventions)
         config = EngineConfig(max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
                               max_model_len=spec.max_model_len)
         grammar = _grammar(loaded) if spec.structured else None
         if isinstance(spec, SpecEngineConfig):
             draft = cache.load(spec.draft, spec.dtype, spec.device).model if spec.method == "draft" else None
             engine = SpeculativeEngine(loaded.model, loaded.codec, config, draft=draft, grammar=grammar,
-                                       speculative=SpeculativeConfig(method=spec.method, gamma=spec.gamma))
+                                       speculative=SpeculativeConfig(method=spec.method, gamma=spec.gamma),
+                                       end_id=loaded.conventions.end_id)
         else:
-            engine = AutoregressiveEngine(loaded.model, loaded.codec, config, grammar=grammar)
+            engine = AutoregressiveEngine(loaded.model, loaded.codec, config, grammar=grammar,
+                                          end_id=loaded.conventions.end_id)
         engine.name = name
         worker = ArWorker(name, engine, loaded.codec, stats)
         return OwnedBackend(name, spec.kind, worker, loaded.codec, engine.max_model_len, spec.max_num_seqs,
-                            spec.max_queue, spec.node_usd_per_hour, default_max_tokens)
+                            spec.max_queue, spec.node_usd_per_hour, default_max_tokens,
+                            conventions=loaded.conventions)
     except (CheckpointError, IncompatibleDraftError, ValueError) as error:
         log.warning("engine %r is not available: %s", name, error)
         return UnavailableBackend(name, spec.kind, str(error), window_s)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
-from nowait.checkpoints import _llama_config  # the HF config.json reader the engines use (dense fields)
+from nowait.architectures import llama_shape  # the HF config.json reader the loader uses (dense fields)
 from nowait.model import ForwardCost, ModelConfig
 from nowait.planner.hardware import DTYPE_BYTES, Accelerator, Node
 
@@ -113,7 +113,7 @@ def model_spec_from_hf(hf: dict, name: str = "model") -> ModelSpec:
     hf = dict(hf)
     hf.setdefault("intermediate_size", hf.get("moe_intermediate_size", 0))
     try:
-        shape = _llama_config(hf)
+        shape = llama_shape(hf)
     except KeyError as missing:
         raise ModelSpecError(f"config of {name!r} has no {missing.args[0]!r}") from None
     experts = int(hf.get("num_local_experts") or hf.get("num_experts") or hf.get("n_routed_experts") or 0)
