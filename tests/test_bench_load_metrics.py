@@ -67,6 +67,8 @@ def test_run_summary_on_hand_made_timings():
     assert summary.itl_ms["p50"] == pytest.approx(100.0)
     assert summary.goodput == {"within_target": 3, "fraction": 0.75, "requests_per_s": 1.5}
     assert summary.error_examples == ["429: queue full"]
+    # Lengths of the answered requests: answers of 5, 10 and 9 tokens (the 429 counts for nothing).
+    assert (summary.mean_output_tokens, summary.median_output_tokens, summary.median_prompt_tokens) == (8.0, 9.0, 100.0)
     assert summarize_run(records, duration_s=4.0).requests_per_s == pytest.approx(0.75)
 
 

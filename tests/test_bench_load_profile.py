@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from nowait.bench.load_metrics import EngineRun, RequestRecord
-from nowait.bench.load_profile_out import ProfileWriteError, build_profile, write_profile
+from nowait.bench.load_profile_out import (
+    ProfileWriteError,
+    build_profile,
+    decode_step_seconds,
+    decoding_forwards,
+    interleaved_prefills,
+    write_profile,
+)
 from nowait.bench.load_runner import RunResult, RunSpec
 from nowait.planner.profile import PROFILE_FORMAT, fit_profile, load_profile
 
@@ -51,7 +58,8 @@ def test_measurements_follow_the_engines_structure():
     [diffusion] = [m for m in profile.measurements if m.engine == "diffusion"]
     assert diffusion.seconds == pytest.approx(0.02)  # 0.2 s over 10 forwards
     assert (diffusion.new_tokens, diffusion.context) == (120, 180)
-    assert profile.engine_parameters.diffusion.tokens_per_forward == pytest.approx(12.0)  # 480 tokens, 40 forwards
+    # 480 tokens over 40 forwards, less each answer's prompt prefill: 36 decoding forwards
+    assert profile.engine_parameters.diffusion.tokens_per_forward == pytest.approx(480 / 36, abs=1e-4)
     assert profile.engine_parameters.diffusion.fallback_rate == pytest.approx(0.25)
     assert notes == []
 
@@ -80,3 +88,34 @@ def test_speculative_and_unknown_answers_are_not_written_and_say_why():
                       [RequestRecord("llama", 0.0, 0.3, 0.1, 100, 11) for _ in range(3)])
     profile, _ = build_profile([plain], lambda name: None, model="llama", hardware="h")
     assert {m.engine for m in profile.measurements} == {"ar"}
+
+
+def test_interleaved_prefills_by_hand():
+    # Four streams: three other requests start during one request's life, 3/4 of it after its first token.
+    assert interleaved_prefills("concurrent", 4.0, 0.75) == pytest.approx(2.25)
+    # Open loop: arrivals do not wait for this request, so the whole concurrency counts.
+    assert interleaved_prefills("poisson", 2.0, 0.5) == pytest.approx(1.0)
+    assert interleaved_prefills("synchronous", 0.98, 0.9) == 0.0  # alone: nothing interleaves
+    # 20 ms between tokens, two 50 ms prefills spread over 10 gaps: 10 ms of decoding per token.
+    assert decode_step_seconds(0.02, 2.0, 0.05, 11, floor_s=0.005) == pytest.approx(0.01)
+    assert decode_step_seconds(0.02, 2.0, 0.05, 11, floor_s=0.015) == pytest.approx(0.015)  # batching adds work
+
+
+def test_batched_decode_steps_leave_out_the_prefills_that_stalled_them():
+    alone = RunResult("ar", "ar", RunSpec("synchronous"), [ar_record(i * 1.0, ttft=0.05, itl=0.005) for i in range(3)])
+    # Four streams back to back, each request 0.25 s (50 ms to the first token, 20 ms gaps): four
+    # in flight, 80% of each life decoding, so 3 x 0.8 = 2.4 prefills of 50 ms in its 10 gaps.
+    busy = RunResult("ar", "ar", RunSpec("concurrent", 4.0),
+                     [ar_record(0.25 * (i // 4), ttft=0.05, itl=0.02) for i in range(16)])
+    profile, notes = build_profile([alone, busy], KINDS.get, model="demo", hardware="h")
+    [batched] = [m for m in profile.measurements if m.batch == 4]
+    assert batched.seconds == pytest.approx(0.02 - 2.4 * 0.05 / 10)
+    assert notes == []
+    # Without a synchronous run there is no prefill time to take off: the step stays an upper bound, said so.
+    profile, notes = build_profile([busy], KINDS.get, model="demo", hardware="h")
+    assert [m.seconds for m in profile.measurements] == [pytest.approx(0.02)]
+    assert any("no synchronous run" in note for note in notes)
+
+
+def test_a_diffusion_answer_forwards_less_its_prompt_prefill():
+    assert [decoding_forwards(f) for f in (10, 2, 1)] == [9, 1, 1]

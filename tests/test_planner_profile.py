@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from nowait.planner.plan import make_plan, to_json
-from nowait.planner.profile import ProfileError, fit_non_negative, fit_profile, load_profile, step_features
+from nowait.planner.profile import (
+    Measurement,
+    ProfileError,
+    fit_engine,
+    fit_non_negative,
+    fit_profile,
+    identifiable_features,
+    load_profile,
+    step_features,
+)
 from nowait.planner.scenario import parse_scenario
 
 SMALL = {  # a 1B model on 8xH100, one replica per accelerator; fixed lengths keep the arithmetic by hand
@@ -48,10 +58,35 @@ def test_fit_recovers_the_coefficients_and_interpolates(tmp_path):
 
 
 def test_a_time_cannot_fall_as_work_grows():
-    import numpy as np
-
     features = np.array([[1.0, 0.0], [1.0, 1.0], [1.0, 2.0]])
     assert list(fit_non_negative(features, np.array([3.0, 2.0, 1.0]))) == [2.0, 0.0]  # slope dropped, mean kept
+
+
+def test_one_measurement_is_a_time_per_forward_whatever_the_shape():
+    # One diffusion forward measured (95 new tokens over 180 cached): the planner's step model then
+    # asks for 32-token forwards and whole-window refreshes, which must cost what was measured, not
+    # what a minimum-norm fit on attention pairs would say (a third of it, and three times it).
+    fitted = fit_engine("diffusion", [Measurement(engine="diffusion", batch=1, new_tokens=95, context=180,
+                                                  seconds=0.02)])
+    assert fitted.coefficients == (0.02, 0.0, 0.0, 0.0)
+    assert fitted(32, 227, 1) == pytest.approx(0.02) and fitted(275, 0, 1) == pytest.approx(0.02)
+
+
+def test_a_prefill_and_a_decode_step_give_a_time_per_forward_and_per_token():
+    # A synchronous load test: a 161-token prefill in 45 ms and a decode step in 6 ms.
+    rows = [Measurement(engine="ar", batch=1, new_tokens=161, context=0, seconds=0.045),
+            Measurement(engine="ar", batch=1, new_tokens=1, context=218, seconds=0.006)]
+    fitted = fit_engine("ar", rows)
+    per_token = (0.045 - 0.006) / 160
+    assert fitted.coefficients == pytest.approx((0.006 - per_token, per_token, 0.0, 0.0))
+    assert fitted(1, 180, 1) == pytest.approx(0.006) and fitted(1, 260, 1) == pytest.approx(0.006)
+
+
+def test_decode_steps_alone_cannot_separate_attention_from_tokens_and_cache_reads():
+    # For one new token, attention pairs = tokens + cache reads: the fourth feature adds nothing.
+    features = np.stack([step_features(1, context, batch) for batch, context in ((1, 200), (4, 300), (16, 250))])
+    assert identifiable_features(features) == [0, 1, 2]
+    assert identifiable_features(features[:1]) == [0]
 
 
 def test_plan_uses_measured_step_times_and_engine_parameters(tmp_path):

@@ -147,6 +147,10 @@ class RunSummary:
     accuracy: dict[str, float] | None
     mean_prompt_tokens: float
     mean_output_tokens: float
+    # Medians: the lengths of a request at the e2e p50 when lengths drive the latency (batch 1),
+    # which `nowait plan --check` predicts for.
+    median_prompt_tokens: float
+    median_output_tokens: float
     error_examples: list[str] = field(default_factory=list)
     engines: dict[str, int] = field(default_factory=dict)  # answering engine -> requests
 
@@ -178,6 +182,8 @@ def summarize_run(records: Sequence[RequestRecord], duration_s: float | None = N
         accuracy=accuracy(r.score for r in ok),
         mean_prompt_tokens=round(float(np.mean([r.prompt_tokens for r in ok])), 2) if ok else 0.0,
         mean_output_tokens=round(float(np.mean([r.output_tokens for r in ok])), 2) if ok else 0.0,
+        median_prompt_tokens=float(np.median([r.prompt_tokens for r in ok])) if ok else 0.0,
+        median_output_tokens=float(np.median([r.output_tokens for r in ok])) if ok else 0.0,
         error_examples=list(dict.fromkeys(f"{r.status}: {r.error}" for r in errors))[:3],
         engines=engines,
     )

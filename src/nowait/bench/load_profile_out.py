@@ -8,12 +8,14 @@ using the engine's own structure:
                   seconds = median TTFT (the prefill forward emits the first token)
     AR decode     every streamed run: batch = the engine's mean concurrency in the run (Little's
                   law), new_tokens 1, context = mean prompt + half the mean answer,
-                  seconds = median inter-token latency (one decode step per token)
+                  seconds = median inter-token latency (one decode step per token), less the
+                  other requests' prefills that stalled it (`interleaved_prefills`)
     diffusion     every run whose answers say their forwards (the nowait gateway's
                   `engines_tried[].forwards`, or the engine in process): batch = mean
-                  concurrency, new_tokens = mean answer window, context = mean prompt,
+                  concurrency, new_tokens = mean answer tokens, context = mean prompt,
                   seconds = median of (engine seconds / forwards)
-    parameters    diffusion tokens_per_forward = answer tokens / forwards over all runs;
+    parameters    diffusion tokens_per_forward = answer tokens / decoding forwards over all
+                  runs (the prompt's prefill forward left out: the planner counts it apart);
                   fallback_rate = share of diffusion answers the gateway re-ran
 
 These are upper bounds on a forward's time (queueing, HTTP and interleaved prefills land in the
@@ -53,29 +55,86 @@ def _engine_records(result: RunResult) -> dict[str, list[RequestRecord]]:
     return groups
 
 
+def _mean_concurrency(records: list[RequestRecord], duration_s: float) -> float:
+    return sum(r.e2e_s for r in records) / duration_s if duration_s > 0 else 1.0
+
+
 def _concurrency(records: list[RequestRecord], duration_s: float) -> int:
-    return max(1, round(sum(r.e2e_s for r in records) / duration_s)) if duration_s > 0 else 1
+    return max(1, round(_mean_concurrency(records, duration_s)))
 
 
-def _ar_measurements(result: RunResult, records: list[RequestRecord], duration_s: float) -> list[Measurement]:
+def _streamed(records: list[RequestRecord]) -> list[RequestRecord]:
     # Only answers from a single engine run: a fallback's timings mix two engines.
-    plain = [r for r in records if len(r.attempts) <= 1]
-    streamed = [r for r in plain if r.itl_s is not None and r.first_token_s is not None
-                and r.first_token_s < r.done_s]
+    return [r for r in records if len(r.attempts) <= 1 and r.itl_s is not None and r.first_token_s is not None
+            and r.first_token_s < r.done_s]
+
+
+def interleaved_prefills(mode: str, concurrency: float, decode_share: float) -> float:
+    """Other requests' prompts prefilled while one request decodes, on average.
+
+    An AR engine stops its running batch to prefill each newcomer (vLLM's schedule, and the
+    nowait engine's), so those prefills land in the inter-token gaps; the planner charges them
+    apart. Over a request's life the other requests arrive at (concurrency - 1) per lifetime with
+    a fixed number of streams (its own next request comes after it), at the whole concurrency per
+    lifetime in an open-loop Poisson run; `decode_share` (decode span / e2e) keeps the part of
+    the life after the first token.
+    """
+    others = concurrency if mode == "poisson" else concurrency - 1
+    return max(0.0, others) * decode_share
+
+
+def decode_step_seconds(itl_s: float, prefills: float, prefill_s: float, output_tokens: float,
+                        floor_s: float) -> float:
+    """One decode step's time: the inter-token latency less the interleaved prefills spread over
+    the answer's gaps, never below `floor_s` (the step measured alone: batching adds work)."""
+    gaps = max(output_tokens - 1, 1.0)
+    return max(floor_s, itl_s - prefills * prefill_s / gaps)
+
+
+def _ar_prefill(streamed: list[RequestRecord]) -> Measurement:
+    return Measurement(engine="ar", batch=1, new_tokens=max(1, round(_median([r.prompt_tokens for r in streamed]))),
+                       context=0, seconds=_median([r.ttft_s for r in streamed]))
+
+
+def _ar_measurements(result: RunResult, streamed: list[RequestRecord], duration_s: float,
+                     alone: tuple[float, float] | None) -> list[Measurement]:
+    """`alone`: (prefill seconds, decode step seconds) of this engine's synchronous run, if any."""
     if not streamed:
         return []
     prompt = float(np.mean([r.prompt_tokens for r in streamed]))
     answer = float(np.mean([r.output_tokens for r in streamed]))
     out = []
     if result.spec.mode == "synchronous" and prompt >= 1:
-        out.append(Measurement(engine="ar", batch=1, new_tokens=max(1, round(_median([r.prompt_tokens
-                                                                                    for r in streamed]))),
-                               context=0, seconds=_median([r.ttft_s for r in streamed])))
+        out.append(_ar_prefill(streamed))
     itl = _median([r.itl_s for r in streamed])
+    if result.spec.mode != "synchronous" and alone is not None:
+        share = float(np.mean([(r.e2e_s - r.ttft_s) / r.e2e_s for r in streamed if r.e2e_s > 0]))
+        prefills = interleaved_prefills(result.spec.mode, _mean_concurrency(streamed, duration_s), share)
+        itl = decode_step_seconds(itl, prefills, alone[0], answer, floor_s=alone[1])
     if itl > 0:
         out.append(Measurement(engine="ar", batch=_concurrency(streamed, duration_s), new_tokens=1,
                                context=round(prompt + answer / 2), seconds=itl))
     return out
+
+
+def _run_duration(result: RunResult) -> float:
+    if not result.records:
+        return 0.0
+    return max(r.done_s for r in result.records) - min(r.sent_s for r in result.records)
+
+
+def _alone(results: list[RunResult], kind_of: Callable[[str], str | None],
+           default_kind: str) -> dict[str, tuple[float, float]]:
+    """Per AR engine, (prefill seconds, decode step seconds) measured in its synchronous runs."""
+    streamed: dict[str, list[RequestRecord]] = defaultdict(list)
+    for result in results:
+        if result.spec.mode != "synchronous":
+            continue
+        for engine, records in _engine_records(result).items():
+            if (kind_of(engine) or default_kind) == "ar":
+                streamed[engine] += _streamed(records)
+    return {engine: (_ar_prefill(records).seconds, _median([r.itl_s for r in records]))
+            for engine, records in streamed.items() if records}
 
 
 def _diffusion_runs(records: list[RequestRecord], engine: str) -> list[tuple[RequestRecord, float, int, int]]:
@@ -88,6 +147,17 @@ def _diffusion_runs(records: list[RequestRecord], engine: str) -> list[tuple[Req
     return runs
 
 
+# The nowait diffusion engine counts the prompt's prefill as one of a request's forwards (every
+# cache mode but `none`); the planner's step model counts the prefill apart from the decoding
+# forwards that `tokens_per_forward` is about, so one forward per answer is taken off.
+PROMPT_PREFILL_FORWARDS = 1
+
+
+def decoding_forwards(forwards: int) -> int:
+    """A diffusion answer's forwards less its prompt prefill (an answer of one forward had none)."""
+    return forwards - PROMPT_PREFILL_FORWARDS if forwards > PROMPT_PREFILL_FORWARDS else forwards
+
+
 def build_profile(results: list[RunResult], kind_of: Callable[[str], str | None], model: str, hardware: str,
                   default_kind: str = "ar") -> tuple[Profile, list[str]]:
     """The planner profile of a load test, and notes on what was left out and why."""
@@ -95,14 +165,21 @@ def build_profile(results: list[RunResult], kind_of: Callable[[str], str | None]
     notes: list[str] = []
     tokens = forwards = 0
     fast_answers = fell_back = 0
+    alone = _alone(results, kind_of, default_kind)
     for result in results:
         answered = [r for r in result.records if r.ok]
-        duration = max(r.done_s for r in result.records) - min(r.sent_s for r in result.records) \
-            if result.records else 0.0
+        duration = _run_duration(result)
         for engine, records in _engine_records(result).items():
             kind = kind_of(engine) or default_kind
             if kind == "ar":
-                measurements += _ar_measurements(result, records, duration)
+                streamed = _streamed(records)
+                measurements += _ar_measurements(result, streamed, duration, alone.get(engine))
+                batched = streamed and _concurrency(streamed, duration) > 1
+                if batched and result.spec.mode != "synchronous" and engine not in alone:
+                    note = (f"{engine}: no synchronous run, so its batched decode steps keep the prefills "
+                            "interleaved with them (upper bounds); add one (--profile sweep starts with it)")
+                    if note not in notes:
+                        notes.append(note)
             elif kind not in ("diffusion", "router"):
                 note = f"{engine} ({kind}): not written, " + (
                     "a speculative step is a draft run plus a verify forward, not one forward" if kind == "spec"
@@ -123,7 +200,7 @@ def build_profile(results: list[RunResult], kind_of: Callable[[str], str | None]
                 context=round(float(np.mean([r.prompt_tokens for r, *_ in runs]))),
                 seconds=_median([s / f for _, s, f, _ in runs])))
             tokens += sum(t for *_, t in runs)
-            forwards += sum(f for _, _, f, _ in runs)
+            forwards += sum(decoding_forwards(f) for _, _, f, _ in runs)
         for record in answered:  # the fallback share of answers the router sent to diffusion first
             if record.attempts and record.rule is not None and kind_of(record.attempts[0].engine) == "diffusion":
                 fast_answers += 1

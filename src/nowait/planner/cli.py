@@ -1,4 +1,4 @@
-"""`nowait plan SCENARIO.yaml [--json] [--report DIR] [--profile BENCH.json] [--measure-host]`.
+"""`nowait plan SCENARIO.yaml [--json] [--report DIR] [--profile BENCH.json] [--measure-host] [--check LOAD.json]`.
 
 `register(app)` adds the command to the main Typer app (src/nowait/cli.py calls it).
 """
@@ -55,6 +55,56 @@ def _print_plan(plan) -> None:
         console.print(f"- {line.replace('**', '')}", highlight=False)
 
 
+def _print_check(check) -> None:
+    """One row per engine and figure: predicted, measured, relative error; a flag past the tolerance."""
+    table = Table(title=f"batch-1 latency: planner vs load test (tolerance {check.tolerance:.0%})",
+                  title_justify="left")
+    for column in ("engine", "basis", "in/out tok", "figure", "predicted ms", "p50 ms", "error", ""):
+        table.add_column(column, justify="left" if column in ("engine", "basis", "figure", "") else "right",
+                         no_wrap=True)
+    for e in check.engines:
+        run = e.run
+        name = run.engine if run.target == run.engine else f"{run.engine} ({run.target})"
+        for index, c in enumerate(e.comparisons):
+            first = index == 0
+            table.add_row(name if first else "", e.basis if first else "",
+                          f"{run.prompt_tokens:.0f}/{run.output_tokens:.0f}" if first else "", c.metric,
+                          f"{c.predicted_s * 1000:.1f}", f"{c.measured_s * 1000:.1f}", f"{c.relative_error:+.0%}",
+                          "[red]OFF[/red]" if c.flagged else "ok")
+    console.print(table)
+    for note in check.notes:
+        console.print(f"note: {note}", style="dim", highlight=False)
+    verdict = "within" if check.passed else "NOT within"
+    console.print(f"predicted batch-1 e2e latency {verdict} {check.tolerance:.0%} of the measured one "
+                  f"for every engine checked", highlight=False)
+
+
+def _run_check(loaded, measured, scenario: Path, profile: Path | None, load: Path, as_json: bool) -> None:
+    """--check: the planner's batch-1 latency per engine against a load test; exit 1 past the tolerance."""
+    from nowait.planner.calibration import CalibrationError, check_latency, load_measurements, measured_runs, to_json
+    from nowait.planner.plan import build_fleets
+    from nowait.planner.profile import fit_profile
+
+    try:
+        runs, notes = measured_runs(load_measurements(load))
+    except CalibrationError as error:
+        _fail(str(error))
+    if not runs:
+        _fail(f"{load}: no synchronous run of an AR or diffusion engine to check against (bench load --profile "
+              "synchronous, or sweep, with --engine ar,diffusion or --model ar,diffusion)"
+              + "".join(f"\n{note}" for note in notes))
+    fitted = fit_profile(measured) if measured is not None else {}
+    fleets = build_fleets(loaded, fitted, measured)
+    check = check_latency({name: fleet.make(1) for name, fleet in fleets.items()}, runs, set(fitted))
+    check.notes[:0] = notes
+    if as_json:
+        print(json.dumps(to_json(check, str(scenario), str(profile) if profile else None, str(load))))
+    else:
+        _print_check(check)
+    if not check.passed:
+        raise typer.Exit(code=1)
+
+
 def register(app: typer.Typer) -> None:
     """Add the `plan` command to `app`."""
 
@@ -67,6 +117,8 @@ def register(app: typer.Typer) -> None:
         measure_host: bool = typer.Option(False, "--measure-host",
                                           help="measure this machine (a few seconds); usable as node 'host'"),
         measure_seconds: float = typer.Option(3.0, "--measure-seconds", help="time budget of --measure-host"),
+        check: Path = typer.Option(None, "--check", help="a `bench load --json` output: compare each engine's "
+                                                         "predicted batch-1 latency with its synchronous run"),
     ) -> None:
         """Plan the fleet: per workload the route, and per engine nodes, p99, utilization and cost per Mtok."""
         from nowait.planner.hardware import measure_host as measure
@@ -76,6 +128,8 @@ def register(app: typer.Typer) -> None:
 
         if scenario is None and not measure_host:
             _fail("give a scenario file (e.g. examples/bank.yaml), or --measure-host")
+        if check is not None and (scenario is None or report is not None):
+            _fail("--check compares a scenario's engines with a load test: give the scenario, and no --report")
         host = None
         if measure_host:
             started = time.perf_counter()
@@ -98,6 +152,9 @@ def register(app: typer.Typer) -> None:
         try:
             loaded = load_scenario(scenario, host=host)
             measured = load_profile(profile) if profile is not None else None
+            if check is not None:
+                _run_check(loaded, measured, scenario, profile, check, as_json)
+                return
             plan = make_plan(loaded, measured)
         except (ScenarioError, ProfileError) as error:
             _fail(str(error))

@@ -11,7 +11,9 @@ Each measurement is one forward of one model: `ar` (the target model, also the v
 speculative decoding), `draft` (the speculative draft) or `diffusion`. Per engine the planner fits
 seconds = c0 + c1 * tokens + c2 * cache_reads + c3 * attention_pairs by least squares with
 non-negative coefficients, the roofline's terms as features: c0 the weights read and the fixed
-overhead, c1 per token processed, c2 per cached token read, c3 per (query, key) pair.
+overhead, c1 per token processed, c2 per cached token read, c3 per (query, key) pair. Only the
+features the measurements can tell apart are fitted (`identifiable_features`), so a profile of a
+few points, such as one synchronous load test, still extrapolates sensibly.
 """
 
 from __future__ import annotations
@@ -121,6 +123,25 @@ class FittedStepTime:
         return float(step_features(new_tokens, cached_tokens, batch) @ np.array(self.coefficients))
 
 
+def identifiable_features(features: np.ndarray) -> list[int]:
+    """The features the measurements can tell apart, taken in FEATURES order.
+
+    A feature joins only if it adds a dimension to those already taken. Without this, fewer
+    distinct measurements than features leave the least-squares problem underdetermined and its
+    minimum-norm answer puts the time on the largest feature (attention pairs): one diffusion
+    forward measured at 95 new tokens over 180 cached would predict a 32-token forward at a third
+    of its time. With one measurement the fit is a constant time per forward; with a prefill and
+    a decode step, a time per forward plus a time per token; decode steps alone never separate
+    attention pairs from tokens plus cache reads (for one new token they are their sum).
+    """
+    scaled = features / np.maximum(np.linalg.norm(features, axis=0), 1e-300)
+    chosen: list[int] = []
+    for column in range(features.shape[1]):
+        if np.linalg.matrix_rank(scaled[:, [*chosen, column]]) > len(chosen):
+            chosen.append(column)
+    return chosen
+
+
 def fit_engine(engine: str, measurements: list[Measurement]) -> FittedStepTime:
     rows = [m for m in measurements if m.engine == engine]
     if not rows:
@@ -129,7 +150,10 @@ def fit_engine(engine: str, measurements: list[Measurement]) -> FittedStepTime:
     seconds = np.array([m.seconds for m in rows])
     # Scale each row by 1/seconds so the fit minimizes relative, not absolute, error (a prefill of
     # 0.5 s would otherwise drown a decode step of 5 ms).
-    coefficients = fit_non_negative(features / seconds[:, None], np.ones_like(seconds))
+    scaled = features / seconds[:, None]
+    usable = identifiable_features(scaled)
+    coefficients = np.zeros(features.shape[1])
+    coefficients[usable] = fit_non_negative(scaled[:, usable], np.ones_like(seconds))
     predicted = features @ coefficients
     worst = float(np.max(np.abs(predicted - seconds) / seconds))
     return FittedStepTime(engine, tuple(float(c) for c in coefficients), len(rows), worst)
