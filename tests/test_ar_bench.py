@@ -14,8 +14,9 @@ from nowait.bench.ar_entries import (
 )
 from nowait.bench.batching import measure_batching
 from nowait.engines.autoregressive import AutoregressiveEngine, EngineConfig
+from nowait.engines.speculative import IncompatibleDraftError
 from nowait.extraction.corpus import documents
-from nowait.tokenizer import TextCodec
+from nowait.tokenizer import TextCodec, train_tokenizer
 from tests.conftest import build_model
 
 EVAL_FIELDS = ("field_accuracy", "doc_accuracy", "json_valid_rate", "forwards_per_doc", "tokens_per_forward",
@@ -52,10 +53,21 @@ def test_spec_entry_compares_methods_with_plain_ar(codec, model):
     docs = documents("test", 2)
     entry = spec_entry(model, codec, docs, draft=build_model(1, vocab_size=codec.vocab_size, num_layers=1), gamma=3)
     assert all(field in entry for field in EVAL_FIELDS)
-    assert entry["engine"] == "spec" and entry["method"] in ("ngram", "draft")
-    assert set(entry["methods"]) == {"ngram", "draft"}
-    assert all(m["greedy_identical_to_ar"] for m in entry["methods"].values())
+    assert entry["engine"] == "spec" and entry["method"] in ("ngram", "draft", "hybrid")
+    assert set(entry["methods"]) == {"ngram", "draft", "hybrid"}
+    assert all(m["greedy_identical_to_ar"] and m["gamma"] == 3 for m in entry["methods"].values())
     assert "latency_ms_p50" in entry["ar"] and entry["speedup_p50_vs_ar"] > 0
+    assert entry["ar"]["identical_to_greedy_decode"] and entry["speedup_p50_vs_greedy_decode"] > 0
+    without_draft = spec_entry(model, codec, docs[:1])  # the methods that need no draft model
+    assert set(without_draft["methods"]) == {"ngram"}
+
+
+def test_a_draft_with_another_tokenizer_is_refused(codec, model):
+    """Same vocabulary size, other ids (a draft trained before a tokenizer change)."""
+    other = TextCodec(train_tokenizer([d.text for d in documents("test", 20)], vocab_size=300))
+    draft = build_model(1, vocab_size=codec.vocab_size, num_layers=1)
+    with pytest.raises(IncompatibleDraftError, match="tokenizer"):
+        spec_entry(model, codec, documents("test", 1), draft=draft, methods=("draft",), draft_codec=other)
 
 
 def test_ar_structured_entry_measures_the_mask(codec, model):

@@ -8,7 +8,9 @@ import torch
 from nowait import paths
 from nowait.engines.autoregressive import AutoregressiveEngine, EngineConfig, greedy_decode
 from nowait.engines.base import Engine, GenerationRequest, InvalidRequestError, SamplingParams
+from nowait.engines.runner import length_groups
 from nowait.engines.sampling import token_probability
+from nowait.model import KVCache
 from nowait.tokenizer import TextCodec
 from tests.conftest import build_model
 
@@ -149,3 +151,31 @@ def test_bad_requests_are_refused_before_any_work(model, request_, message):
 def test_engine_refuses_a_bidirectional_model():
     with pytest.raises(ValueError, match="causal"):
         AutoregressiveEngine(build_model(0, causal=False), end_id=END)
+
+
+def test_prefill_groups_rows_of_similar_length():
+    lengths = [212, 150, 121, 200, 205, 230, 180, 179]
+    groups = length_groups(lengths, max_padding=0.1)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for group in groups:
+        longest = max(lengths[i] for i in group)
+        assert len(group) == 1 or sum(lengths[i] for i in group) >= 0.9 * len(group) * longest
+    assert length_groups([5]) == [[0]] and length_groups([3, 3, 3]) == [[0, 1, 2]]
+
+
+@torch.no_grad()
+def test_the_models_shortcuts_give_the_same_logits(model):
+    """One unpadded row takes a shortcut (no mask for one new token, a contiguous cache write),
+    and `output_positions` projects only the asked positions: the same numbers either way."""
+    prompt = torch.tensor([prompts(1, seed=8, longest=30)[0]])
+    fast, general = KVCache(model.config, 1, 64), KVCache(model.config, 1, 64)
+    full = model(prompt, fast)
+    assert torch.equal(full, model(prompt, general, valid_lengths=torch.tensor([prompt.shape[1]])))
+    for step in ([[5]], [[7, 9, 11]], [[3]]):
+        ids = torch.tensor(step)
+        a = model(ids, fast)
+        b = model(ids, general, valid_lengths=torch.tensor([ids.shape[1]]))  # the batched path
+        assert torch.allclose(a, b, atol=1e-5) and torch.equal(fast.lengths, general.lengths)
+    last = KVCache(model.config, 1, 64)
+    picked = model(prompt, last, output_positions=torch.tensor([[prompt.shape[1] - 1, 0]]))
+    assert torch.allclose(picked[0], full[0, [prompt.shape[1] - 1, 0]], atol=1e-5)

@@ -9,9 +9,12 @@ from nowait.engines.autoregressive import AutoregressiveEngine, EngineConfig
 from nowait.engines.base import GenerationRequest, SamplingParams
 from nowait.engines.speculative import (
     IncompatibleDraftError,
+    PromptLookup,
     SpeculativeConfig,
     SpeculativeEngine,
     expected_tokens_per_pass,
+    greedy_accept,
+    proposal_distributions,
     propose_ngram,
     should_speculate,
     speculative_accept,
@@ -87,20 +90,27 @@ def test_greedy_acceptance_is_argmax_agreement():
     assert accepted.tolist() == [1] and following.tolist() == [1]  # the target's token replaces the miss
 
 
-def test_engine_sampling_preserves_the_target_distribution():
+@pytest.mark.parametrize(("proposer", "prompt"), [
+    ({"method": "draft"}, [1, 2, 3, 1]),
+    ({"method": "draft", "draft_confidence": 0.5}, [1, 2, 3, 1]),  # drafting stops at a doubt
+    # prompt lookup finishing proposals the draft model started: point masses after drafted
+    # positions in one proposal (the prompt's last token is new, so the draft starts)
+    ({"method": "hybrid", "hybrid_min_ngram": 2, "lookup_gamma": 1}, [1, 2, 3, 0]),
+])
+def test_engine_sampling_preserves_the_target_distribution(proposer, prompt):
     """End to end through the engine (draft model, cache rollback, per-row uniforms): the
     first three tokens of many seeded samples match the target's exact joint distribution."""
     vocab, end = 5, 4
     target, draft = build_model(3, vocab_size=vocab), build_model(8, vocab_size=vocab, num_layers=1)
-    prompt = [1, 2, 3, 1]
     engine = SpeculativeEngine(target, end_id=end, draft=draft,
                                config=EngineConfig(max_num_seqs=64, max_num_batched_tokens=512),
-                               speculative=SpeculativeConfig(method="draft", gamma=2, max_batch=64))
+                               speculative=SpeculativeConfig(gamma=2, max_batch=64, **proposer))
     trials = 4000
-    completions = engine.generate([GenerationRequest(prompt, SamplingParams(max_tokens=3, temperature=1.0, seed=i))
+    # 4 tokens, so the first decode step may propose 2 (the verify adds one of its own)
+    completions = engine.generate([GenerationRequest(prompt, SamplingParams(max_tokens=4, temperature=1.0, seed=i))
                                    for i in range(trials)])
     assert sum(c.draft_tokens_proposed for c in completions) > trials // 2  # speculation did run
-    outcomes = [tuple(c.token_ids) for c in completions]
+    outcomes = [tuple(c.token_ids[:3]) for c in completions]
     exact = exact_outcomes(target, prompt, vocab, end, length=3)
     keys = sorted(exact, key=lambda k: (len(k), k))
     expected = torch.tensor([exact[k] for k in keys])
@@ -155,20 +165,47 @@ def target():
     return build_model(0)
 
 
-@pytest.mark.parametrize("method", ["draft", "ngram"])
+PROPOSERS = {
+    "draft": {"method": "draft"},
+    "ngram": {"method": "ngram"},
+    "hybrid": {"method": "hybrid", "hybrid_min_ngram": 2},
+    "draft-adaptive": {"method": "draft", "draft_confidence": 0.3},
+    "hybrid-adaptive": {"method": "hybrid", "draft_confidence": 0.3, "hybrid_min_ngram": 1, "lookup_gamma": 2},
+}
+
+
+@pytest.mark.parametrize("proposer", list(PROPOSERS))
 @pytest.mark.parametrize("max_batch", [1, 3, 16])  # never, sometimes, always speculating
-def test_greedy_output_is_the_targets_token_for_token(target, method, max_batch):
+def test_greedy_output_is_the_targets_token_for_token(target, proposer, max_batch):
     ids = prompts(6)
     reference = AutoregressiveEngine(target, end_id=END).generate(greedy_requests(ids))
     engine = SpeculativeEngine(target, end_id=END, draft=build_model(1, num_layers=1),
                                config=EngineConfig(max_num_seqs=4, max_num_batched_tokens=128),
-                               speculative=SpeculativeConfig(method=method, gamma=3, max_batch=max_batch))
+                               speculative=SpeculativeConfig(gamma=3, max_batch=max_batch, **PROPOSERS[proposer]))
     batched = engine.generate(greedy_requests(ids))
     alone = [engine.generate(greedy_requests([p]))[0] for p in ids]
     assert [c.token_ids for c in batched] == [c.token_ids for c in reference]
     assert [c.token_ids for c in alone] == [c.token_ids for c in reference]
     assert all(c.finish_reason == r.finish_reason for c, r in zip(alone, reference, strict=True))
     assert sum(c.draft_tokens_proposed for c in alone) > 0
+
+
+def test_a_doubtful_draft_stops_early():
+    """draft_confidence: drafting stops after the first proposal the draft is unsure of, so
+    fewer draft forwards and proposals than gamma per step; the output is unchanged."""
+    target, draft = build_model(0), build_model(1, num_layers=1)
+    ids = prompts(3, seed=7)
+    reference = AutoregressiveEngine(target, end_id=END).generate(greedy_requests(ids))
+
+    def run(confidence):
+        engine = SpeculativeEngine(target, end_id=END, draft=draft,
+                                   speculative=SpeculativeConfig(method="draft", gamma=6, draft_confidence=confidence))
+        return [engine.generate(greedy_requests([p]))[0] for p in ids]
+
+    always, adaptive = run(0.0), run(0.9)
+    assert [c.token_ids for c in adaptive] == [c.token_ids for c in reference] == [c.token_ids for c in always]
+    assert sum(c.draft_tokens_proposed for c in adaptive) < sum(c.draft_tokens_proposed for c in always)
+    assert sum(c.draft_forwards for c in adaptive) < sum(c.draft_forwards for c in always)
 
 
 def test_a_perfect_draft_accepts_everything():
@@ -193,6 +230,56 @@ def test_stop_tokens_and_max_tokens_with_speculation(target):
     request = GenerationRequest(ids, SamplingParams(max_tokens=15, stop_token_ids=(stop,)))
     stopped = engine.generate([request])[0]
     assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[: free.token_ids.index(stop)]
+
+
+def test_greedy_accept_is_speculative_accept_with_one_hot_distributions():
+    """The greedy fast path takes the same tokens as the general acceptance test would."""
+    g = torch.Generator().manual_seed(5)
+    vocab = 6
+    for _ in range(200):
+        k = int(torch.randint(0, 5, (1,), generator=g))
+        choice = torch.randint(0, vocab, (k + 1,), generator=g)
+        # proposals that agree with the target for a random while, then random
+        proposal = torch.where(torch.rand(k, generator=g) < 0.7, choice[:k], torch.randint(0, vocab, (k,), generator=g))
+        accepted = greedy_accept(proposal.tolist(), choice.tolist())
+        target = torch.eye(vocab)[choice][None]
+        reference, following = speculative_accept(proposal[None], torch.tensor([k]), target, None,
+                                                  torch.full((1, k), 0.5), torch.tensor([0.5]))
+        assert accepted == int(reference) and choice[accepted] == following[0]
+
+
+def test_prompt_lookup_index_proposes_what_propose_ngram_does():
+    g = torch.Generator().manual_seed(2)
+    for max_ngram, min_ngram in [(3, 1), (4, 2), (1, 1)]:
+        tokens = torch.randint(1, 5, (80,), generator=g).tolist()  # small alphabet: many repeats
+        lookup = PromptLookup(max_ngram, min_ngram)
+        for length in range(1, len(tokens) + 1):
+            lookup.extend(tokens[len(lookup.tokens): length])
+            proposal, matched = lookup.propose(4)
+            assert proposal == propose_ngram(tokens[:length], 4, max_ngram, min_ngram)
+            assert (matched > 0) == bool(proposal) and (not proposal or min_ngram <= matched <= max_ngram)
+
+
+def test_prompt_lookup_in_the_prompt_only_and_after_drafted_tokens():
+    prompt = [7, 8, 9, 4, 5, 6]
+    lookup = PromptLookup(3, 2, search_limit=len(prompt))
+    lookup.extend([*prompt, 1, 2, 3, 1, 2])
+    assert lookup.propose(3) == ([], 0)  # [1, 2] occurs earlier, but in the output
+    lookup.extend([7, 8])
+    assert lookup.propose(3) == ([9, 4, 5], 2)
+    assert lookup.propose(2, drafted=[9, 4]) == ([5, 6], 3)  # the suffix ends in the drafted tokens
+    assert lookup.propose(2, drafted=[3]) == ([], 0)
+
+
+def test_proposal_distributions_are_point_masses_after_the_drafted_tokens():
+    vocab = 4
+    drafted_q = torch.full((2, 2, vocab), 0.25)
+    q = proposal_distributions([[1, 2, 3], [0]], [1, 0], drafted_q)
+    assert q.shape == (2, 3, vocab)
+    assert torch.equal(q[0, 0], drafted_q[0, 0])  # drafted by the model: its distribution
+    assert q[0, 1].tolist() == [0, 0, 1, 0] and q[0, 2].tolist() == [0, 0, 0, 1]  # looked up
+    assert q[1, 0].tolist() == [1, 0, 0, 0]
+    assert proposal_distributions([[1], [2]], [0, 0], drafted_q) is None
 
 
 def test_prompt_lookup_proposals():
@@ -222,6 +309,12 @@ def test_a_draft_with_another_vocabulary_is_refused(target):
         SpeculativeEngine(target, end_id=END, speculative=SpeculativeConfig(method="draft"))
     with pytest.raises(ValueError, match="gamma"):
         SpeculativeEngine(target, end_id=END, speculative=SpeculativeConfig(method="ngram", gamma=0))
+    with pytest.raises(IncompatibleDraftError, match="draft model"):
+        SpeculativeEngine(target, end_id=END, speculative=SpeculativeConfig(method="hybrid"))
+    for bad, message in [({"draft_confidence": 1.0}, "draft_confidence"), ({"lookup_gamma": 0}, "lookup_gamma"),
+                         ({"hybrid_min_ngram": 4}, "hybrid_min_ngram"), ({"method": "tree"}, "method")]:
+        with pytest.raises(ValueError, match=message):
+            SpeculativeConfig(**bad).validate()
 
 
 def test_seeded_sampling_alone_equals_batched_when_speculating(target):

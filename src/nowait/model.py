@@ -276,7 +276,7 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: Tensor, cache: KVCache | None = None, valid_lengths: Tensor | None = None,
                 write_cache: bool = True, attention_mask: Tensor | None = None,
-                positions: Tensor | None = None) -> Tensor:
+                positions: Tensor | None = None, output_positions: Tensor | None = None) -> Tensor:
         """Logits [B, T, vocab] for `input_ids` [B, T].
 
         Without a cache: a plain forward, causal or bidirectional per the config; an optional
@@ -285,6 +285,8 @@ class Transformer(nn.Module):
         counts the real tokens of row b (the rest is right padding). `write_cache=True`
         appends them to the cache (AR prefill/decode); False lets them attend to the prefix and
         to each other without being stored (a diffusion step over a cached prompt).
+        `output_positions` [B, K]: logits only at those positions, [B, K, vocab] (a prefill
+        needs each row's last one; projecting every position onto the vocabulary is waste).
         """
         batch, length = input_ids.shape
         device = input_ids.device
@@ -308,6 +310,8 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, mask, index, cache, write_positions, key_slots)
         if cache is not None and write_cache:
             cache.lengths = cache.lengths + valid_lengths
+        if output_positions is not None:
+            x = x.gather(1, output_positions[..., None].expand(-1, -1, x.shape[-1]))
         return F.linear(self.norm(x), self.output_weight())
 
     def _cache_mask(self, cache: KVCache, length: int, valid_lengths: Tensor, write_cache: bool,

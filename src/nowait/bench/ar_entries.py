@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 
-from nowait.engines.autoregressive import AutoregressiveEngine, EngineConfig
+from nowait.engines.autoregressive import AutoregressiveEngine, EngineConfig, greedy_decode
 from nowait.engines.base import Completion, GenerationRequest, SamplingParams
 from nowait.engines.speculative import SpeculativeConfig, SpeculativeEngine
 from nowait.evaluation import ANSWER_WINDOW
@@ -23,7 +24,15 @@ from nowait.extraction.scorer import score_document, summarize
 from nowait.model import Transformer
 from nowait.tokenizer import TextCodec, extraction_prompt
 
-SPEC_METHODS = ("ngram", "draft")
+SPEC_METHODS = ("ngram", "draft", "hybrid")
+# Per-method settings, measured side by side on the demo models at batch size 1 (CPU; see
+# docs/engines-ar.md): the draft is cut short once it doubts (draft_confidence), which makes a
+# long gamma cheap; prompt lookups stop at 5 tokens, about where copied document values end.
+SPEC_SETTINGS = {
+    "ngram": SpeculativeConfig(method="ngram", gamma=4),
+    "draft": SpeculativeConfig(method="draft", gamma=8, draft_confidence=0.9),
+    "hybrid": SpeculativeConfig(method="hybrid", gamma=12, draft_confidence=0.95, lookup_gamma=5),
+}
 
 
 def grammar_for(model: Transformer, codec: TextCodec):
@@ -40,11 +49,20 @@ def build_ar_engine(model: Transformer, codec: TextCodec, structured: bool = Fal
 
 
 def build_spec_engine(model: Transformer, codec: TextCodec, method: str = "ngram", draft: Transformer | None = None,
-                      gamma: int = 4, structured: bool = False,
-                      config: EngineConfig | None = None) -> SpeculativeEngine:
+                      gamma: int | None = 4, structured: bool = False, config: EngineConfig | None = None,
+                      draft_codec: TextCodec | None = None) -> SpeculativeEngine:
+    """The speculative engine with `method`'s bench settings (`SPEC_SETTINGS`), `gamma`
+    overriding theirs unless None. Give `draft_codec` (the draft checkpoint's tokenizer) to
+    have a draft trained on another tokenizer of the same size refused rather than proposing
+    tokens that mean something else."""
     grammar = grammar_for(model, codec) if structured else None
-    return SpeculativeEngine(model, codec, config, draft=draft, grammar=grammar,
-                             speculative=SpeculativeConfig(method=method, gamma=gamma))
+    return SpeculativeEngine(model, codec, config, draft=draft, grammar=grammar, draft_codec=draft_codec,
+                             speculative=spec_settings(method, gamma))
+
+
+def spec_settings(method: str, gamma: int | None = None) -> SpeculativeConfig:
+    settings = SPEC_SETTINGS.get(method, SpeculativeConfig(method=method))
+    return settings if gamma is None else replace(settings, gamma=gamma)
 
 
 def document_request(doc: Document, codec: TextCodec, structured: bool = False,
@@ -120,27 +138,47 @@ def _identical(a: list[Completion], b: list[Completion]) -> bool:
 
 
 def spec_entry(model: Transformer, codec: TextCodec, docs: list[Document], draft: Transformer | None = None,
-               methods: tuple[str, ...] = SPEC_METHODS, gamma: int = 4) -> dict:
+               methods: tuple[str, ...] = SPEC_METHODS, gamma: int | None = None,
+               draft_codec: TextCodec | None = None) -> dict:
     """`nowait bench engines` entry `spec`: AR + the best speculative method at batch size 1.
 
-    Plain AR and each method decode the same documents one at a time; the entry carries the
-    best method's eval fields (lowest p50 latency), its speed-up over plain AR, whether every
+    Plain AR (`greedy_decode`, and the AR engine) and each method (`SPEC_SETTINGS`, `gamma`
+    overriding theirs) decode the same documents one at a time, taking turns on each document
+    so that a shared machine's changing load hits them alike. The entry carries the best
+    method's eval fields (lowest p50 latency), its speed-up over plain AR, whether every
     method's greedy output equals plain AR's, and the other methods beside it.
     """
     config = EngineConfig(max_num_seqs=1)
-    baseline = decode_documents_with(AutoregressiveEngine(model, codec, config), docs, codec, one_at_a_time=True)
-    plain = completion_metrics(baseline, docs)
-    results: dict[str, dict] = {}
+    engines: dict[str, AutoregressiveEngine] = {"ar": AutoregressiveEngine(model, codec, config)}
     for method in methods:
-        if method == "draft" and draft is None:
+        if SPEC_SETTINGS.get(method, SpeculativeConfig(method=method)).uses_draft and draft is None:
             continue
-        engine = build_spec_engine(model, codec, method, draft, gamma, config=config)
-        completions = decode_documents_with(engine, docs, codec, one_at_a_time=True)
-        metrics = completion_metrics(completions, docs)
-        results[method] = {**metrics, "gamma": gamma, "greedy_identical_to_ar": _identical(completions, baseline),
-                           "speedup_p50_vs_ar": plain["latency_ms_p50"] / max(metrics["latency_ms_p50"], 1e-9)}
-    if not results:
-        raise ValueError("no speculative method to run (method 'draft' needs a draft model)")
+        engines[method] = build_spec_engine(model, codec, method, draft, gamma, config=config, draft_codec=draft_codec)
+    if len(engines) == 1:
+        raise ValueError("no speculative method to run (methods 'draft' and 'hybrid' need a draft model)")
+    completions: dict[str, list[Completion]] = {name: [] for name in engines}
+    greedy_ms, greedy_ids = [], []
+    for doc in docs:
+        request = document_request(doc, codec)
+        started = time.perf_counter()
+        greedy_ids.append(greedy_decode(model, [request.prompt_ids], request.sampling.max_tokens, codec.end_id)[0])
+        greedy_ms.append((time.perf_counter() - started) * 1000)
+        for name, engine in engines.items():
+            completions[name] += engine.generate([document_request(doc, codec)])
+    baseline = completions.pop("ar")
+    plain = {**completion_metrics(baseline, docs), "greedy_decode_latency_ms_p50": float(np.percentile(greedy_ms, 50)),
+             "identical_to_greedy_decode": [c.token_ids for c in baseline] == greedy_ids}
+    results: dict[str, dict] = {}
+    for method, decoded in completions.items():
+        metrics = completion_metrics(decoded, docs)
+        settings = engines[method].speculative
+        p50 = max(metrics["latency_ms_p50"], 1e-9)
+        results[method] = {
+            **metrics, "gamma": settings.gamma, "draft_confidence": settings.draft_confidence,
+            "lookup_gamma": settings.lookup_gamma, "greedy_identical_to_ar": _identical(decoded, baseline),
+            "speedup_p50_vs_ar": plain["latency_ms_p50"] / p50,
+            "speedup_p50_vs_greedy_decode": plain["greedy_decode_latency_ms_p50"] / p50,
+        }
     best = min(results, key=lambda m: results[m]["latency_ms_p50"])
     return {**results[best], "engine": "spec", "method": best, "batch_size": 1,
             "methods": results, "ar": plain, "n": len(docs)}

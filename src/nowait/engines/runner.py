@@ -21,16 +21,35 @@ from nowait.model import KVCache, Transformer
 
 def cache_view(cache: KVCache, rows: int) -> KVCache:
     """A KVCache over rows [0, rows) of `cache` sharing its storage (slices are views), so a
-    forward through it writes keys/values in place; copy `lengths` back after it.
+    forward through it writes keys/values in place; copy `lengths` back after it (a forward
+    replaces its cache's `lengths` tensor rather than writing into it).
 
     (`KVCache` has no view constructor; one in nowait.model would replace this helper.)
     """
     view = KVCache.__new__(KVCache)
     view.keys = [k[:rows] for k in cache.keys]
     view.values = [v[:rows] for v in cache.values]
-    view.lengths = cache.lengths[:rows].clone()
+    view.lengths = cache.lengths[:rows]
     view.max_tokens = cache.max_tokens
     return view
+
+
+def length_groups(lengths: list[int], max_padding: float = 0.1) -> list[list[int]]:
+    """Indices of `lengths` in groups of similar length, shortest first, each padded to its
+    longest row with at most `max_padding` of its positions on padding (a row alone is
+    always a group). Fewer, larger groups use the matmuls better; padding is wasted compute.
+    """
+    groups: list[list[int]] = []
+    real = 0
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        group = groups[-1] if groups else None
+        if group is not None and 1 - (real + lengths[i]) / ((len(group) + 1) * lengths[i]) <= max_padding:
+            group.append(i)
+            real += lengths[i]
+        else:
+            groups.append([i])
+            real = lengths[i]
+    return groups
 
 
 class CachePool:
@@ -42,6 +61,9 @@ class CachePool:
         self.rows = rows
         self.max_tokens = max_tokens
         self.owners: list[Sequence] = []
+        # Views by (cache, rows), built once: slicing every layer anew costs a visible share
+        # of a small model's decode step. The slices stay valid: rows move in place.
+        self._views: dict[tuple[int, int], KVCache] = {}
 
     @property
     def used(self) -> int:
@@ -75,7 +97,12 @@ class CachePool:
 
     def view(self, index: int = 0) -> KVCache:
         """Cache `index` over the occupied rows, in row order (= `self.owners`)."""
-        return cache_view(self.caches[index], self.used)
+        key = (index, self.used)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = cache_view(self.caches[index], self.used)
+        view.lengths = self.caches[index].lengths[: self.used]
+        return view
 
     def commit_view(self, view: KVCache, index: int = 0) -> None:
         self.caches[index].lengths[: view.batch] = view.lengths
@@ -100,10 +127,21 @@ class ModelRunner:
         """Feed `tokens[i]` to sequence i after its first `starts[i]` cached tokens; returns the
         logits at each sequence's last new token, [B, vocab].
 
-        Used for prefill chunks (and to bring the draft model's cache up to date). The rows
-        are gathered into a temporary cache, run as one right-padded batch and copied back:
-        only the prefix each row needs is copied, and padding never reaches the pool.
+        Used for prefill chunks (and to bring the draft model's cache up to date). Rows of
+        similar length run as one right-padded batch (`length_groups`): a batch is padded to
+        its longest row, and prompts differ in length by half or more, so one batch for all
+        would compute a fifth of its positions on padding. Each group goes through a temporary
+        cache: only the prefix each row needs is copied in, and padding never reaches the pool.
         """
+        logits: Tensor | None = None
+        for group in length_groups([len(t) for t in tokens]):
+            out = self._extend_group([seqs[i] for i in group], [starts[i] for i in group], [tokens[i] for i in group])
+            if logits is None:
+                logits = out.new_empty(len(seqs), out.shape[-1])
+            logits[group] = out
+        return logits
+
+    def _extend_group(self, seqs: list[Sequence], starts: list[int], tokens: list[list[int]]) -> Tensor:
         lengths = [len(t) for t in tokens]
         batch, width = len(seqs), max(lengths)
         prefix = max(starts)
@@ -119,14 +157,14 @@ class ModelRunner:
         for i, chunk in enumerate(tokens):
             ids[i, : len(chunk)] = torch.tensor(chunk, dtype=torch.long)
         valid = torch.tensor(lengths, dtype=torch.long, device=self.device)
-        logits = self.model(ids.to(self.device), temp, valid_lengths=valid)
+        logits = self.model(ids.to(self.device), temp, valid_lengths=valid, output_positions=(valid - 1)[:, None])
         for i, (seq, start, length) in enumerate(zip(seqs, starts, lengths, strict=True)):
             end = start + length
             for layer in range(config.num_layers):
                 self.cache.keys[layer][seq.row, start:end] = temp.keys[layer][i, start:end]
                 self.cache.values[layer][seq.row, start:end] = temp.values[layer][i, start:end]
             self.cache.lengths[seq.row] = end
-        return logits[torch.arange(batch, device=self.device), valid - 1]
+        return logits[:, 0]
 
     @torch.no_grad()
     def forward_rows(self, tokens: list[list[int]]) -> Tensor:
@@ -138,7 +176,7 @@ class ModelRunner:
         view = self.pool.view(self.index)
         lengths = [len(t) for t in tokens]
         width = max(lengths)
-        if width == 1:
+        if min(lengths) == width:  # no padding: the model needs no per-row lengths
             ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
             valid = None
         else:
@@ -152,7 +190,9 @@ class ModelRunner:
         return logits
 
     def truncate_rows(self, lengths: list[int]) -> None:
-        """Roll rows back to `lengths` tokens (rejected speculative tokens)."""
-        cache = self.cache
-        cache.lengths[: len(lengths)] = torch.minimum(
-            cache.lengths[: len(lengths)], torch.tensor(lengths, dtype=torch.long, device=cache.lengths.device))
+        """Roll rows [0, len(lengths)) back to `lengths` tokens (rejected speculative tokens).
+
+        A roll-back only: `lengths[r]` must not exceed what row r holds (the caller counts
+        what it fed), so the lengths are written as they are, without reading the old ones.
+        """
+        self.cache.lengths[: len(lengths)] = torch.tensor(lengths, dtype=torch.long, device=self.cache.lengths.device)

@@ -16,6 +16,7 @@ from nowait.engines.base import Completion, FinishReason, GenerationRequest, Tim
 
 if TYPE_CHECKING:
     from nowait.engines.grammar import SchemaMatcher
+    from nowait.engines.speculative import PromptLookup
 
 
 class SequenceStatus(Enum):
@@ -52,6 +53,7 @@ class Sequence:
         self.draft_cached = 0  # tokens in the draft model's cache (speculative engine)
         self.draft_proposed = 0
         self.draft_accepted = 0
+        self.prompt_lookup: PromptLookup | None = None  # speculative engine's n-gram index of the tokens
         self.grammar_mask_s = 0.0
         self.finish_reason: FinishReason | None = None
         self.admitted_time: float | None = None

@@ -1,13 +1,22 @@
 """Speculative decoding: cheap proposals, verified by the target in one forward.
 
-Two proposers share one verifier:
+Three proposers share one verifier:
 
 - **draft model** (Leviathan, Kalman & Matias 2023, "Fast Inference from Transformers via
   Speculative Decoding"; Chen et al. 2023): a small model with the target's vocabulary drafts
-  `gamma` tokens one by one;
+  up to `gamma` tokens one by one, and stops early after a token it is unsure of
+  (`draft_confidence`: the draft's own probability of its proposal), because a proposal the
+  draft doubts is likely rejected and every further draft forward would build on it;
 - **prompt lookup** (n-gram drafting, Saxena 2023; vLLM's `ngram` method): the last n tokens
   are looked up earlier in prompt + output and the tokens that followed are proposed. Free to
-  compute, and it suits extraction, where most answer tokens are copied from the document.
+  compute, and it suits extraction, where most answer tokens are copied from the document;
+- **hybrid**: prompt lookup when the last `hybrid_min_ngram` or more tokens occur earlier in
+  the prompt (a copy in progress: a value from the document), the draft model otherwise (JSON
+  keys and punctuation, which are not in the document), and a lookup finishes a proposal the
+  draft started as soon as its tokens match the prompt. A one-token match, or one inside the
+  output (keys and punctuation repeat there), proposes mostly noise; a longer match in the
+  prompt mostly the right copy; and a looked-up token costs no draft forward, which on small
+  models costs about half a target forward.
 
 The target scores the pending token plus the proposals in one forward; proposals are accepted
 left to right with probability min(1, p(x) / q(x)) (p: target, q: draft; the issue writes them
@@ -15,12 +24,15 @@ the other way round), and at the first rejection the next token is drawn from
 norm(max(0, p - q)); when all are accepted a bonus token comes from the target. This leaves the
 output distributed exactly as the target's; at temperature 0 both are one-hot, so greedy
 output is the target's argmax token for token. A deterministic proposer (prompt lookup) is a
-draft whose q is a point mass on the proposed token.
+draft whose q is a point mass. When every row of a step is greedy and unconstrained, the
+engine takes that one-hot case directly (`greedy_accept`: proposals agreeing with the target's
+argmax), without building distributions: on small models the per-step tensor work is a large
+part of a step.
 
 When speculation is skipped (`should_speculate`): speculation buys tokens per target forward
-with extra compute (gamma draft forwards plus gamma more positions in the verify). At small
-batch a decode forward is memory- or overhead-bound and the extra positions are nearly free;
-at large batch the forward is already compute-efficient and the extra positions cost their
+with extra compute (draft forwards plus the proposals' positions in the verify). At small
+batch a decode forward is memory- or overhead-bound and the extra positions are cheap; at
+large batch the forward is already compute-efficient and the extra positions cost their
 full price while only the accepted ones pay. So a step speculates only while the running
 batch is at most `max_batch` sequences and batch x (gamma + 1) positions fit the step's token
 cap; above that the engine decodes normally (and the draft's cache catches up later). The
@@ -52,7 +64,7 @@ from nowait.engines.sequence import Sequence
 from nowait.model import Transformer
 from nowait.tokenizer import TextCodec
 
-SpeculativeMethod = Literal["draft", "ngram"]
+SpeculativeMethod = Literal["draft", "ngram", "hybrid"]
 
 
 class IncompatibleDraftError(ValueError):
@@ -101,6 +113,20 @@ def speculative_accept(draft_tokens: Tensor, num_drafts: Tensor, target_probs: T
     return accepted, sample_from(residual, sample_uniforms)
 
 
+def greedy_accept(proposal: list[int], target_choice: list[int]) -> int:
+    """How many proposals greedy decoding accepts: the longest prefix of `proposal` equal to the
+    target's argmax at each position (`target_choice[j]`: the target's token after the first j
+    proposals). `speculative_accept` with one-hot p and q gives the same count, and the token
+    after them is then `target_choice[accepted]`.
+    """
+    accepted = 0
+    for proposed, chosen in zip(proposal, target_choice, strict=False):  # target_choice has one more
+        if proposed != chosen:
+            break
+        accepted += 1
+    return accepted
+
+
 def expected_tokens_per_pass(acceptance_rate: float, gamma: int) -> float:
     """Leviathan et al. 2023, eq. 1: (1 - a^(gamma+1)) / (1 - a) tokens per target forward."""
     if acceptance_rate >= 1:
@@ -124,6 +150,50 @@ def propose_ngram(tokens: list[int] | np.ndarray, count: int, max_ngram: int = 3
             start = int(hits[-1]) + n
             return ids[start: start + count].tolist()
     return []
+
+
+class PromptLookup:
+    """`propose_ngram` over one growing token list, kept incrementally.
+
+    For each n it remembers where the latest occurrence of every n-gram ended, so a proposal
+    costs O(max_ngram) dictionary lookups instead of a scan of the whole context per step (a
+    scan of a few hundred tokens costs about as much as the rest of a small model's step).
+    Proposals are identical to `propose_ngram`'s.
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, search_limit: int | None = None) -> None:
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self.search_limit = search_limit  # occurrences must end before this index (None: anywhere)
+        self.tokens: list[int] = []
+        self._ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_ngram, max_ngram + 1)}
+        self._indexed = 0  # n-grams ending before this index are in `_ends`
+
+    def extend(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+
+    def propose(self, count: int, drafted: list[int] | tuple[int, ...] = ()) -> tuple[list[int], int]:
+        """Up to `count` tokens, and the length of the matched suffix (0: no match).
+
+        `drafted`: tokens proposed after `tokens` this step; the suffix then ends in them (a
+        copy the draft model has started), and occurrences are still searched in `tokens` only.
+        """
+        ids = self.tokens
+        # The suffix itself must not match itself: index only n-grams ending before the last token.
+        last = len(ids) - 1 if self.search_limit is None else min(len(ids) - 1, self.search_limit)
+        for end in range(self._indexed, last):
+            for n, table in self._ends.items():
+                if end + 1 >= n:
+                    table[tuple(ids[end + 1 - n: end + 1])] = end + 1
+        self._indexed = max(self._indexed, last)
+        if count <= 0:
+            return [], 0
+        context = ids + list(drafted) if drafted else ids
+        length = len(context)
+        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
+            start = self._ends[n].get(tuple(context[length - n:]))
+            if start is not None:
+                return context[start: start + count], n
+        return [], 0
 
 
 def should_speculate(batch_size: int, gamma: int, max_batch: int, token_cap: int) -> bool:
@@ -151,22 +221,40 @@ def check_draft(target: Transformer, draft: Transformer, codec: TextCodec | None
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: SpeculativeMethod = "draft"
-    gamma: int = 4  # proposals per step and sequence
+    gamma: int = 4  # proposals per step and sequence, at most
     max_batch: int = 4  # speculate only while at most this many sequences run
     max_ngram: int = 3
     min_ngram: int = 1
+    # Draft model: stop drafting a row after a proposal whose draft probability is below this
+    # (0: always draft gamma tokens). The doubtful token is still proposed: its forward is paid.
+    draft_confidence: float = 0.0
+    hybrid_min_ngram: int = 2  # hybrid: prompt lookup when at least this many tokens match
+    # Tokens one prompt lookup proposes, at most (None: gamma). A copied span ends where the
+    # document's value ends, so long lookups mostly fill the verify with rejected positions.
+    lookup_gamma: int | None = None
 
     def validate(self) -> None:
-        if self.method not in ("draft", "ngram"):
-            raise ValueError(f"unknown speculative method {self.method!r}; choose draft or ngram")
+        if self.method not in ("draft", "ngram", "hybrid"):
+            raise ValueError(f"unknown speculative method {self.method!r}; choose draft, ngram or hybrid")
         if self.gamma < 1:
             raise ValueError(f"gamma must be at least 1, got {self.gamma}")
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
+        if not 0 <= self.draft_confidence < 1:
+            raise ValueError(f"draft_confidence must be in [0, 1), got {self.draft_confidence}")
+        if self.lookup_gamma is not None and self.lookup_gamma < 1:
+            raise ValueError(f"lookup_gamma must be at least 1 (or None for gamma), got {self.lookup_gamma}")
+        if not 1 <= self.hybrid_min_ngram <= self.max_ngram:
+            raise ValueError(f"need 1 <= hybrid_min_ngram <= max_ngram, got {self.hybrid_min_ngram}, "
+                             f"{self.max_ngram}")
+
+    @property
+    def uses_draft(self) -> bool:
+        return self.method in ("draft", "hybrid")
 
 
 class SpeculativeEngine(AutoregressiveEngine):
-    """The AR engine whose decode step proposes and verifies (draft model or prompt lookup).
+    """The AR engine whose decode step proposes and verifies (draft model, prompt lookup or both).
 
     Prefill, scheduling, sampling parameters, stop tokens and grammars are the AR engine's;
     per request the Completion counts proposed and accepted draft tokens and the target's
@@ -180,11 +268,11 @@ class SpeculativeEngine(AutoregressiveEngine):
                  draft_codec: TextCodec | None = None, end_id: int | None = None, grammar=None) -> None:
         self.speculative = speculative or SpeculativeConfig()
         self.speculative.validate()
-        if self.speculative.method == "draft":
+        if self.speculative.uses_draft:
             if draft is None:
-                raise IncompatibleDraftError("method 'draft' needs a draft model")
+                raise IncompatibleDraftError(f"method {self.speculative.method!r} needs a draft model")
             check_draft(model, draft, codec, draft_codec)
-        self.draft = draft.eval() if draft is not None and self.speculative.method == "draft" else None
+        self.draft = draft.eval() if draft is not None and self.speculative.uses_draft else None
         super().__init__(model, codec, config, end_id=end_id, grammar=grammar)
         self.draft_runner = ModelRunner(self.draft, self.pool, 1, pad_id=self.end_id) if self.draft else None
 
@@ -192,7 +280,15 @@ class SpeculativeEngine(AutoregressiveEngine):
         return [self.model] + ([self.draft] if self.draft is not None else [])
 
     def _lookahead(self) -> int:
-        return self.speculative.gamma + 2  # pending + gamma proposals (+ a catch-up token) per verify
+        # Cache slots past max_model_len a row may write: the verify's pending + gamma positions,
+        # and the draft's catch-up forward (up to `_catch_up` tokens, right padded in a batch).
+        return self._catch_up + 1
+
+    @property
+    def _catch_up(self) -> int:
+        """Unseen tokens the draft takes in its first forward of a step; rows further behind
+        (new, or after steps without the draft) first catch up in a prefill-like forward."""
+        return self.speculative.gamma + 2
 
     def _run_decode(self, batch: ScheduledBatch) -> None:
         seqs = self._rows(batch)
@@ -204,20 +300,42 @@ class SpeculativeEngine(AutoregressiveEngine):
         if not any(budgets):  # every row is one token from its end: nothing to propose
             super()._run_decode(batch)
             return
-        params = SamplingBatch.from_params([s.request.sampling for s in seqs])
-        if self.draft is not None:
-            proposals, draft_probs = self._draft_proposals(seqs, budgets, params)
+        lookups = [self._lookup_proposal(s, b) for s, b in zip(seqs, budgets, strict=True)] \
+            if spec.method != "draft" else [[] for _ in seqs]
+        # ngram: the lookup always; draft: the model always; hybrid: the model where no lookup.
+        wants_draft = [spec.method == "draft" or (spec.method == "hybrid" and not lookup) for lookup in lookups]
+        greedy = all(s.generator is None and s.matcher is None for s in seqs)
+        params = None if greedy else SamplingBatch.from_params([s.request.sampling for s in seqs])
+        proposals, drafted, draft_probs = lookups, [0] * len(seqs), None
+        if any(b and d for b, d in zip(budgets, wants_draft, strict=True)):
+            from_model, drafted, draft_probs = self._draft_proposals(
+                seqs, [b if d else 0 for b, d in zip(budgets, wants_draft, strict=True)], params)
+            proposals = [m if use else lookup for m, lookup, use in zip(from_model, lookups, wants_draft, strict=True)]
+        if params is None:
+            self._verify_greedy(seqs, proposals)
         else:
-            proposals, draft_probs = [self._ngram_proposal(s, b) for s, b in zip(seqs, budgets, strict=True)], None
-        self._verify(seqs, proposals, draft_probs, params)
+            self._verify(seqs, proposals, proposal_distributions(proposals, drafted, draft_probs), params)
 
     def _proposal_budget(self, seq: Sequence) -> int:
         # The verify always yields one token of its own, so propose at most remaining - 1.
         return max(0, min(self.speculative.gamma, seq.remaining_tokens - 1))
 
-    def _ngram_proposal(self, seq: Sequence, budget: int) -> list[int]:
-        proposal = propose_ngram(seq.prompt_ids + seq.output_ids, budget,
-                                 self.speculative.max_ngram, self.speculative.min_ngram)
+    def _lookup_proposal(self, seq: Sequence, budget: int, drafted: list[int] | None = None) -> list[int]:
+        """Prompt lookup for one row (after this step's `drafted` tokens, if any), cut at a stop
+        token and at the grammar's first refusal."""
+        spec = self.speculative
+        lookup = seq.prompt_lookup
+        if lookup is None:
+            # Hybrid takes matches of hybrid_min_ngram tokens or more (shorter ones go to the
+            # draft) and only in the prompt: in the output, repeated keys and punctuation
+            # would propose the wrong continuation where the draft model knows the right one.
+            if spec.method == "hybrid":
+                lookup = PromptLookup(spec.max_ngram, spec.hybrid_min_ngram, search_limit=seq.num_prompt_tokens)
+            else:
+                lookup = PromptLookup(spec.max_ngram, spec.min_ngram)
+            seq.prompt_lookup = lookup
+        lookup.extend(seq.tokens_from(len(lookup.tokens)))
+        proposal, _ = lookup.propose(min(budget, spec.lookup_gamma or budget), drafted or ())
         for i, token in enumerate(proposal):
             if token in seq.stop_ids:  # nothing after a stop token matters
                 proposal = proposal[: i + 1]
@@ -225,19 +343,28 @@ class SpeculativeEngine(AutoregressiveEngine):
         if seq.matcher is not None:
             # A proposal is a deterministic function of the context, so cutting it at the
             # first token the grammar forbids changes nothing but the wasted positions.
+            # (The matcher stands after `drafted`: the draft loop consumed them.)
             if proposal and proposal[-1] in seq.stop_ids:
                 proposal = proposal[:-1]
             proposal = proposal[: seq.matcher.valid_prefix(proposal)]
         return proposal
 
-    def _draft_proposals(self, seqs: list[Sequence], budgets: list[int],
-                         params: SamplingBatch) -> tuple[list[list[int]], Tensor]:
-        """gamma tokens per row from the draft model, sampled from its (masked) distributions."""
+    def _draft_proposals(self, seqs: list[Sequence], budgets: list[int], params: SamplingBatch | None
+                         ) -> tuple[list[list[int]], list[int], Tensor | None]:
+        """Up to budgets[i] tokens for row i from the draft model: its argmax when `params` is
+        None (every row greedy and unconstrained), else draws from its (masked) sampling
+        distributions, returned [B, steps, V] for the acceptance test.
+
+        Hybrid: as soon as a row's drafted tokens start a copy (prompt lookup matches the
+        context plus them), the lookup's continuation finishes the row's proposal without more
+        draft forwards. Returns proposals, the number of leading proposals per row that came
+        from the draft model (the rest are lookups, point masses), and the distributions.
+        """
         runner = self.draft_runner
         unseen = [s.tokens_from(s.draft_cached) for s in seqs]
-        # Rows far behind (new, or after steps without speculation) catch up in one prefill-
-        # like forward, so the first draft forward below feeds at most two tokens per row.
-        behind = [i for i, u in enumerate(unseen) if len(u) > 2]
+        # Rows far behind (new, or after many steps without the draft) catch up in one prefill-
+        # like forward, so the first draft forward below feeds at most `_catch_up` tokens a row.
+        behind = [i for i, u in enumerate(unseen) if len(u) > self._catch_up]
         if behind:
             runner.extend([seqs[i] for i in behind], [seqs[i].draft_cached for i in behind],
                           [unseen[i][:-1] for i in behind])
@@ -245,47 +372,79 @@ class SpeculativeEngine(AutoregressiveEngine):
                 seqs[i].draft_cached += len(unseen[i]) - 1
                 seqs[i].draft_forwards += 1
                 unseen[i] = unseen[i][-1:]
-        steps = max(budgets)
-        rows = torch.arange(len(seqs))
-        logits = runner.forward_rows(unseen)[rows, torch.tensor([len(u) - 1 for u in unseen])]
+        logits = last_logits(runner.forward_rows(unseen), [len(u) for u in unseen])
         for seq, u in zip(seqs, unseen, strict=True):
             seq.draft_cached += len(u)
+            seq.draft_forwards += 1
         proposals: list[list[int]] = [[] for _ in seqs]
+        drafted = [0] * len(seqs)
         distributions = []
         consumed = [0] * len(seqs)
-        live = list(budgets)  # proposals still wanted per row (0 after a stop token)
-        for step in range(steps):
-            for i, seq in enumerate(seqs):
-                if seq.matcher is not None and live[i] > step:
-                    mask_logits(logits[i], seq.matcher.allowed())
-            q = sampling_distribution(logits, params)
-            uniforms = torch.full((len(seqs),), 0.5)
-            for i, seq in enumerate(seqs):
-                if seq.generator is not None and live[i] > step:
-                    uniforms[i] = torch.rand(1, generator=seq.generator)[0]
-            tokens = sample_from(q, uniforms).tolist()
-            distributions.append(q)
+        live = list(budgets)  # proposals still wanted per row: the budget, cut by a stop or doubt
+        threshold = self.speculative.draft_confidence
+        hybrid = self.speculative.method == "hybrid"
+        for step in range(max(budgets)):
+            sure = None
+            if params is None and threshold > 0:
+                # Greedy draft: which proposal barely matters for correctness (the target
+                # decides), so the softmax's max gives token and confidence in one pass.
+                confidence, tokens = logits.softmax(-1).max(-1)
+                sure = (confidence >= threshold).tolist()
+            elif params is None:
+                tokens = logits.argmax(-1)
+            else:
+                tokens, q = self._sample_draft(seqs, logits, params, [b > step for b in live])
+                distributions.append(q)
+                if threshold > 0:
+                    sure = (token_probability(logits, tokens) >= threshold).tolist()
+            chosen = tokens.tolist()
+            proposed = []
             for i, seq in enumerate(seqs):
                 if live[i] <= step:
                     continue
-                proposals[i].append(tokens[i])
-                if tokens[i] in seq.stop_ids:
+                token = chosen[i]
+                proposals[i].append(token)
+                drafted[i] += 1
+                proposed.append(i)
+                if token in seq.stop_ids or (sure is not None and not sure[i]):
                     live[i] = step + 1
-                elif seq.matcher is not None:
-                    seq.matcher.consume(tokens[i])
+                    continue
+                if seq.matcher is not None:
+                    seq.matcher.consume(token)
                     consumed[i] += 1
                     if seq.matcher.is_stopped():
                         live[i] = step + 1
-            if step + 1 < steps:
-                logits = runner.forward_rows([[t] for t in tokens])[:, -1]
-                for seq in seqs:
-                    seq.draft_cached += 1
+                        continue
+                if hybrid and live[i] > step + 1:
+                    copied = self._lookup_proposal(seq, live[i] - step - 1, proposals[i])
+                    if copied:
+                        proposals[i] += copied
+                        live[i] = step + 1
+            if all(b <= step + 1 for b in live):  # no row wants another proposal
+                break
+            logits = runner.forward_rows([[t] for t in chosen])[:, -1]
+            for i in proposed:  # rows past their last proposal were fed a placeholder: not cached
+                seqs[i].draft_cached += 1
+            for seq in seqs:
+                seq.draft_forwards += 1
         for seq, n in zip(seqs, consumed, strict=True):
             if seq.matcher is not None:
                 seq.matcher.rollback(n)
-        for seq in seqs:
-            seq.draft_forwards += steps
-        return proposals, torch.stack(distributions, dim=1)
+        return proposals, drafted, torch.stack(distributions, dim=1) if distributions else None
+
+    @staticmethod
+    def _sample_draft(seqs: list[Sequence], logits: Tensor, params: SamplingBatch,
+                      live: list[bool]) -> tuple[Tensor, Tensor]:
+        """One draft token per row from its masked sampling distribution q, and q [B, V]."""
+        for i, seq in enumerate(seqs):
+            if seq.matcher is not None and live[i]:
+                mask_logits(logits[i], seq.matcher.allowed())
+        q = sampling_distribution(logits, params)
+        uniforms = torch.full((len(seqs),), 0.5)
+        for i, seq in enumerate(seqs):
+            if seq.generator is not None and live[i]:  # one draw per proposal: batch-independent
+                uniforms[i] = torch.rand(1, generator=seq.generator)[0]
+        return sample_from(q, uniforms), q
 
     def _grammar_masks(self, seq: Sequence, proposal: list[int]) -> list[Tensor]:
         """The allowed-token mask at the pending position and after each proposal token."""
@@ -301,6 +460,16 @@ class SpeculativeEngine(AutoregressiveEngine):
         matcher.rollback(consumed)
         seq.grammar_mask_s = matcher.mask_seconds
         return masks
+
+    def _verify_greedy(self, seqs: list[Sequence], proposals: list[list[int]]) -> None:
+        """The verify when every row is greedy and unconstrained: accept what the target's
+        argmax agrees with, then the target's own token (`greedy_accept`)."""
+        logits = self.runner.forward_rows([[s.last_token, *p] for s, p in zip(seqs, proposals, strict=True)])
+        choice = logits.argmax(-1)
+        confidences = token_probability(logits, choice).tolist()
+        choices = choice.tolist()
+        accepted = [greedy_accept(p, c) for p, c in zip(proposals, choices, strict=True)]
+        self._commit(seqs, proposals, accepted, choices, confidences)
 
     def _verify(self, seqs: list[Sequence], proposals: list[list[int]], draft_probs: Tensor | None,
                 params: SamplingBatch) -> None:
@@ -327,25 +496,53 @@ class SpeculativeEngine(AutoregressiveEngine):
                 draws = torch.rand(len(proposal) + 1, generator=seq.generator)
                 accept_uniforms[i, : len(proposal)] = draws[:-1]
                 sample_uniforms[i] = draws[-1]
-        if draft_probs is not None:
-            draft_probs = draft_probs[:, :width]
         accepted, next_tokens = speculative_accept(draft_tokens, torch.tensor(counts), target_probs, draft_probs,
                                                    accept_uniforms, sample_uniforms)
         emitted = torch.cat([draft_tokens, torch.zeros(batch, 1, dtype=torch.long)], dim=1)
         emitted[torch.arange(batch), accepted] = next_tokens
-        confidences = token_probability(logits, emitted).tolist()
-        emitted_ids = emitted.tolist()
+        self._commit(seqs, proposals, accepted.tolist(), emitted.tolist(), token_probability(logits, emitted).tolist())
+
+    def _commit(self, seqs: list[Sequence], proposals: list[list[int]], accepted: list[int],
+                emitted: list[list[int]], confidences: list[list[float]]) -> None:
+        """Append each row's accepted proposals and the token after them; roll both caches
+        back past the rejected ones. `emitted[i][:accepted[i] + 1]` are row i's new tokens."""
         now = time.perf_counter()
         for i, seq in enumerate(seqs):
-            n = int(accepted[i])
+            n = accepted[i]
             seq.forwards += 1
-            seq.draft_proposed += counts[i]
+            seq.draft_proposed += len(proposals[i])
             seq.draft_accepted += n
             seq.num_cached += 1 + n  # pending + accepted stay in the cache; the new token is pending
             for position in range(n + 1):
-                if seq.append_token(emitted_ids[i][position], confidences[i][position], now):
+                if seq.append_token(emitted[i][position], confidences[i][position], now):
                     break
             seq.draft_cached = min(seq.draft_cached, seq.num_cached)
         self.runner.truncate_rows([s.num_cached for s in seqs])
         if self.draft_runner is not None:
             self.draft_runner.truncate_rows([s.draft_cached for s in seqs])
+
+
+def last_logits(logits: Tensor, lengths: list[int]) -> Tensor:
+    """[B, V]: each row's logits at its last real position of a right-padded [B, T, V] forward."""
+    if all(n == logits.shape[1] for n in lengths):
+        return logits[:, -1]
+    return logits[torch.arange(len(lengths)), torch.tensor(lengths) - 1]
+
+
+def proposal_distributions(proposals: list[list[int]], drafted: list[int],
+                           draft_probs: Tensor | None) -> Tensor | None:
+    """q for `speculative_accept`, [B, K, V]: the draft's distributions at the first
+    `drafted[i]` proposals of row i, a point mass on each proposed token after them (prompt
+    lookup, a deterministic function of the context); None when the draft proposed nothing
+    (the acceptance test then treats every proposal as a point mass)."""
+    if draft_probs is None or not any(drafted):
+        return None
+    width = max(len(p) for p in proposals)
+    batch, steps, vocab = draft_probs.shape
+    q = torch.zeros(batch, width, vocab, dtype=draft_probs.dtype)
+    q[:, : min(steps, width)] = draft_probs[:, :width]
+    for i, (proposal, n) in enumerate(zip(proposals, drafted, strict=True)):
+        if len(proposal) > n:
+            q[i, n:] = 0
+            q[i, torch.arange(n, len(proposal)), torch.tensor(proposal[n:], dtype=torch.long)] = 1.0
+    return q
