@@ -23,10 +23,13 @@ SYSTEM, USER, ASSISTANT = "<|system|>", "<|user|>", "<|assistant|>"
 SPECIAL_TOKENS = [END, MASK, SYSTEM, USER, ASSISTANT]
 
 # letter runs | one digit | runs of layout/JSON glue (whitespace " : , { } [ ]) | any other
-# single character. Glue never occurs inside a value, so BPE cannot merge across a value's
+# single character. A capital letter next to another capital is its own token, so codes
+# (USD, EUR, KYC, IBAN letters) are spelled letter by letter: a merged "USD" token is seen too
+# rarely next to its copy for the model to learn to tell ten such codes apart, while single
+# letters are copied everywhere. Glue never occurs inside a value, so BPE cannot merge across a value's
 # edge: "+44..." after ": " and after '": "' starts with the same "+" token, "S.A." before
 # "\n" and before '", "' ends with the same "." token.
-PRE_TOKEN_PATTERN = r'\p{L}+|\p{N}|[\s":,{}\[\]]+|[^\p{L}\p{N}\s":,{}\[\]]'
+PRE_TOKEN_PATTERN = r'\p{Lu}(?=\p{Lu})|(?<=\p{Lu})\p{Lu}|\p{L}+|\p{N}|[\s":,{}\[\]]+|[^\p{L}\p{N}\s":,{}\[\]]'
 
 
 def _pre_tokenizer() -> pre_tokenizers.PreTokenizer:
