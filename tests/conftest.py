@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from itertools import islice
 
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from nowait.extraction.corpus import training_stream
 from nowait.model import ModelConfig, Transformer
@@ -50,3 +52,13 @@ def codec() -> TextCodec:
     texts = [extraction_prompt(doc.kind, doc.text) + doc.answer_json() + END
              for doc in islice(training_stream(0), 300)]
     return TextCodec(train_tokenizer(texts, vocab_size=400))
+
+
+def swapped_codec(codec: TextCodec) -> TextCodec:
+    """`codec` with two ordinary tokens trading ids: a tokenizer of the same size whose ids mean
+    something else, as after retraining a tokenizer (a draft trained on one misreads the other)."""
+    data = json.loads(codec.tokenizer.to_str())
+    vocab = data["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[-2:]  # the last two merges: no special token
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    return TextCodec(Tokenizer.from_str(json.dumps(data)))

@@ -95,6 +95,25 @@ def test_the_model_end_token_stops_and_is_not_emitted():
     assert completion.token_ids == free.token_ids[: free.token_ids.index(free.token_ids[2])]
 
 
+def test_any_of_several_end_ids_stops_with_finish_reason_stop():
+    """A checkpoint with several end-of-turn ids (Llama 3: <|end_of_text|>, <|eot_id|>) stops at
+    the second as at the first; request stop ids still add to them; the first pads."""
+    model = build_model(4)
+    prompt = prompts(1, seed=5)[0]
+    free = AutoregressiveEngine(model, end_id=END).generate(requests([prompt], max_tokens=10))[0]
+    second = free.token_ids[2]
+    engine = AutoregressiveEngine(model, end_ids=(END, second))
+    assert engine.end_id == END and engine.end_ids == (END, second)
+    completion = engine.generate(requests([prompt], max_tokens=10))[0]
+    assert completion.finish_reason == "stop" and second not in completion.token_ids
+    assert completion.token_ids == free.token_ids[: free.token_ids.index(second)]
+    early = engine.generate(requests([prompt], max_tokens=10, stop_token_ids=(free.token_ids[0],)))[0]
+    assert early.token_ids == [] and early.finish_reason == "stop"
+    assert AutoregressiveEngine(model, end_id=7, end_ids=(END, 7)).end_ids == (7, END)
+    with pytest.raises(ValueError, match="end_ids"):
+        AutoregressiveEngine(model)
+
+
 def test_sequences_stop_at_the_engine_length_limit(model):
     engine = small_engine(model, max_model_len=20)
     completion = engine.generate(requests([list(range(1, 16))], max_tokens=50))[0]

@@ -12,7 +12,7 @@ from nowait.checkpoints import save_pretrained
 from nowait.cli import app
 from nowait.extraction.corpus import documents
 
-from .conftest import build_model
+from .conftest import build_model, swapped_codec
 
 runner = CliRunner()
 EVAL_FIELDS = ("field_accuracy", "doc_accuracy", "json_valid_rate", "forwards_per_doc", "tokens_per_forward",
@@ -56,6 +56,23 @@ def test_bench_engines_fails_clearly(checkpoints, tmp_path):
     assert result.exit_code != 0 and "diffusion model" in result.output and "Traceback" not in result.output
     result = runner.invoke(app, ["bench", "engines", "--n", "1", "--only", "warp-drive"])
     assert result.exit_code != 0 and "unknown entry warp-drive" in result.output
+
+
+def test_spec_entry_refuses_a_draft_with_another_tokenizer(checkpoints, tmp_path, codec):
+    """A --draft-model that does not fit the target stops the bench with the reason; the bundled
+    draft that no longer fits the bundled AR model is left out, and prompt lookup still runs."""
+    from nowait.checkpoints import load_pretrained
+
+    alien = save_pretrained(build_model(1, vocab_size=codec.vocab_size, num_layers=1, max_position=1024),
+                            swapped_codec(codec), tmp_path / "alien")
+    result = runner.invoke(app, ["bench", "engines", "--n", "1", "--only", "spec", "--ar-model", checkpoints["ar"],
+                                 "--draft-model", str(alien)])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "tokenizer" in result.output and "alien" in result.output, result.output
+    ctx = BenchContext(docs=documents("test", 1))  # no paths: the bundled pair, stood in for by these
+    ctx._loaded.update(ar=load_pretrained(checkpoints["ar"]), draft=load_pretrained(alien))
+    entry = ENTRIES["spec"](ctx)
+    assert "tokenizer" in entry["draft_refused"] and set(entry["methods"]) == {"ngram"}
 
 
 def test_registry_takes_new_entries(checkpoints):

@@ -10,19 +10,22 @@ from typer.testing import CliRunner
 from nowait.checkpoints import save_pretrained
 from nowait.cli import app
 
-from .conftest import build_model
+from .conftest import build_model, swapped_codec
 
 runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
 def tiny_checkpoints(tmp_path_factory, codec):
-    """A tiny random AR and diffusion checkpoint in the Hugging Face layout."""
+    """Tiny random AR, draft and diffusion checkpoints in the Hugging Face layout, and a draft
+    trained with another tokenizer of the same size."""
     root = tmp_path_factory.mktemp("checkpoints")
     ar = save_pretrained(build_model(vocab_size=codec.vocab_size), codec, root / "ar")
     diffusion = save_pretrained(build_model(vocab_size=codec.vocab_size, causal=False, logits_shift=True,
                                             mask_token_id=codec.mask_id), codec, root / "diffusion")
-    return {"ar": ar, "diffusion": diffusion}
+    draft = build_model(1, vocab_size=codec.vocab_size, num_layers=1)
+    return {"ar": ar, "diffusion": diffusion, "draft": save_pretrained(draft, codec, root / "draft"),
+            "alien-draft": save_pretrained(draft, swapped_codec(codec), root / "alien-draft")}
 
 
 def assert_one_clear_line(result, *fragments: str) -> None:
@@ -55,10 +58,27 @@ def test_eval_runs_the_ar_serving_engines(tiny_checkpoints, flags):
     assert report["settings"]["structured"] == ("--structured" in flags)
 
 
+@pytest.mark.parametrize("method", ["hybrid", "draft"])
+def test_eval_spec_loads_the_draft_for_the_methods_that_use_it(tiny_checkpoints, method):
+    result = runner.invoke(app, ["eval", "--engine", "spec", "--method", method, "--n", "1", "--json",
+                                 "--model", str(tiny_checkpoints["ar"]), "--draft", str(tiny_checkpoints["draft"])])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output.strip().splitlines()[-1])
+    assert f"speculative ({method}, gamma" in report["settings"]["decoding"]
+    assert report["draft_forwards_per_doc"] > 0  # the draft model did propose
+
+
+def test_eval_spec_refuses_a_draft_with_another_tokenizer(tiny_checkpoints):
+    alien = str(tiny_checkpoints["alien-draft"])
+    result = runner.invoke(app, ["eval", "--engine", "spec", "--method", "hybrid", "--n", "1",
+                                 "--model", str(tiny_checkpoints["ar"]), "--draft", alien])
+    assert_one_clear_line(result, alien, "tokenizer", "--method ngram")
+
+
 def test_eval_spec_rejects_an_unknown_method(tiny_checkpoints):
     result = runner.invoke(app, ["eval", "--engine", "spec", "--method", "magic",
                                  "--model", str(tiny_checkpoints["ar"])])
-    assert_one_clear_line(result, "unknown speculative method")
+    assert_one_clear_line(result, "unknown speculative method", "hybrid")
 
 
 def test_eval_fresh_seed_is_recorded(tiny_checkpoints):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import yaml
 from typer.testing import CliRunner
 
 from nowait.bench.gateway import register as register_bench
+from nowait.engines.speculative import SPEC_SETTINGS
 from nowait.gateway.cli import register as register_serve
 from nowait.gateway.config import ConfigError, default_config, load_config, parse_config
 from nowait.gateway.ledger import owned_cost_usd, remote_cost_usd
@@ -30,6 +32,57 @@ def test_defaults_serve_the_demo_engines_behind_the_router_model():
     assert config.defaults.data_class is DataClass.restricted  # data leaves only when the caller says so
     policy = config.routing_policy()
     assert (policy.batch_engine, policy.fast_engine, policy.fallback_engine) == ("ar", "diffusion", "ar")
+
+
+def test_the_default_spec_engine_takes_the_best_method_with_its_tuned_settings():
+    spec = default_config().engines["spec"]
+    assert spec.method == "hybrid" and spec.speculative_config() == SPEC_SETTINGS["hybrid"]
+    assert SPEC_SETTINGS["hybrid"].draft_confidence > 0 and SPEC_SETTINGS["hybrid"].lookup_gamma is not None
+    # Another method starts from its own tuned settings; what the file sets wins.
+    draft = parse_config({"engines": {"s": {"kind": "spec", "method": "draft", "gamma": 6}},
+                          "routing": {"fast_engine": None, "batch_engine": "s", "fallback_engine": "s",
+                                      "owned_frontier_engine": "s"}}).engines["s"]
+    assert draft.speculative_config() == replace(SPEC_SETTINGS["draft"], gamma=6)
+    example = load_config(EXAMPLE).engines["spec"]
+    assert example.method == "hybrid" and example.speculative_config() == SPEC_SETTINGS["hybrid"]
+
+
+def test_spec_engines_load_their_draft_and_refuse_one_with_another_tokenizer(tmp_path, codec):
+    """hybrid and draft load the draft with its tokenizer; a draft trained with another tokenizer
+    of the same size, or a missing one, leaves that engine unavailable with the reason, while
+    ngram needs no draft at all."""
+    from nowait.checkpoints import save_pretrained
+    from nowait.engines.base import GenerationRequest, SamplingParams
+    from nowait.gateway.app import build_backends
+    from tests.conftest import build_model, swapped_codec
+    from tests.gateway_support import save_tiny_models
+
+    models = save_tiny_models(tmp_path / "models", codec)
+    alien = save_pretrained(build_model(1, vocab_size=codec.vocab_size, num_layers=1), swapped_codec(codec),
+                            tmp_path / "alien-draft")
+    ar = {"kind": "spec", "model": models["ar"], "max_num_seqs": 2}
+    config = parse_config({"engines": {
+        "ar": {"kind": "ar", "model": models["ar"], "max_num_seqs": 2},
+        "spec": {**ar, "draft": models["draft"]},
+        "spec-draft": {**ar, "draft": models["draft"], "method": "draft"},
+        "alien": {**ar, "draft": str(alien)},
+        "no-draft": {**ar, "draft": str(tmp_path / "missing"), "method": "draft"},
+        "lookup": {**ar, "draft": str(tmp_path / "missing"), "method": "ngram"},
+    }, "routing": {"fast_engine": None}})
+    backends = build_backends(config)
+    for name in ("spec", "spec-draft", "lookup"):
+        assert backends[name].available, backends[name].unavailable_reason
+    hybrid = backends["spec"].worker.engine
+    assert hybrid.speculative == SPEC_SETTINGS["hybrid"] and hybrid.draft is not None
+    assert backends["spec-draft"].worker.engine.speculative == SPEC_SETTINGS["draft"]
+    assert backends["lookup"].worker.engine.draft is None
+    [completion] = hybrid.generate([GenerationRequest(codec.encode("Name: Ann Name:"), SamplingParams(max_tokens=8))])
+    assert completion.draft_tokens_proposed > 0
+    reason = backends["alien"].unavailable_reason
+    assert not backends["alien"].available
+    assert "tokenizer" in reason and str(alien) in reason and "method: ngram" in reason, reason
+    assert not backends["no-draft"].available and "draft model" in backends["no-draft"].unavailable_reason
+    assert backends["ar"].available  # the others still serve
 
 
 def test_the_example_config_is_valid_and_resolves_paths_next_to_it():
@@ -54,6 +107,12 @@ def test_the_example_config_is_valid_and_resolves_paths_next_to_it():
     ({"engines": {"d": {"kind": "diffusion", "options": {"tau": 2}}}, "routing": {"fast_engine": "d"}},
      "engines.d.options: tau must be in (0, 1]"),
     ({"engines": {}}, "engines: "),
+    ({"engines": {"ar": {"kind": "ar"}, "s": {"kind": "spec", "method": "tree"}}},
+     "engines.s.method: Input should be 'hybrid', 'draft' or 'ngram'"),
+    ({"engines": {"ar": {"kind": "ar"}, "s": {"kind": "spec", "draft_confidence": 1.0}}},
+     "engines.s.draft_confidence: Input should be less than 1"),
+    ({"engines": {"ar": {"kind": "ar"}, "s": {"kind": "spec", "lookup_gamma": 0}}},
+     "engines.s.lookup_gamma: Input should be greater than or equal to 1"),
 ])
 def test_a_bad_field_is_named(data, message):
     with pytest.raises(ConfigError) as error:

@@ -369,7 +369,10 @@ def test_gateway_backend_uses_the_checkpoint_chat_template_and_end_ids(ar_checkp
     expected = encode_prompt(loaded.codec, apply_chat_template(loaded.conventions, messages), templated=True)
     request = backend.generation_request(call)
     assert request.prompt_ids == expected and expected[0] == loaded.conventions.bos_id
-    assert request.sampling.stop_token_ids == loaded.conventions.extra_end_ids == (token_id("llama", "<|eot_id|>"),)
+    # Every end id stops the engine itself; none is smuggled into the request as a stop id.
+    assert request.sampling.stop_token_ids == ()
+    assert backend.worker.engine.end_ids == loaded.conventions.end_ids == (
+        token_id("llama", "<|end_of_text|>"), token_id("llama", "<|eot_id|>"))
     assert backend.worker.engine.end_id == token_id("llama", "<|end_of_text|>")
 
 

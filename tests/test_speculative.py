@@ -19,7 +19,7 @@ from nowait.engines.speculative import (
     should_speculate,
     speculative_accept,
 )
-from tests.conftest import build_model
+from tests.conftest import build_model, swapped_codec
 
 END = 0
 # chi-square critical values at p = 0.001 (the tests are seeded, so they are deterministic)
@@ -230,6 +230,36 @@ def test_stop_tokens_and_max_tokens_with_speculation(target):
     request = GenerationRequest(ids, SamplingParams(max_tokens=15, stop_token_ids=(stop,)))
     stopped = engine.generate([request])[0]
     assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[: free.token_ids.index(stop)]
+
+
+@pytest.mark.parametrize("proposer", ["draft", "ngram", "hybrid"])
+def test_a_second_end_id_stops_speculation_as_it_stops_ar(target, proposer):
+    """An end id proposed or accepted mid-proposal ends the sequence there (Llama 3's <|eot_id|>
+    beside <|end_of_text|>), as in the AR engine, with finish_reason stop."""
+    ids = prompts(3, seed=4)
+    free = AutoregressiveEngine(target, end_id=END).generate(greedy_requests(ids, max_tokens=15))
+    second = free[0].token_ids[5]
+    reference = AutoregressiveEngine(target, end_ids=(END, second)).generate(greedy_requests(ids, max_tokens=15))
+    engine = SpeculativeEngine(target, end_ids=(END, second), draft=build_model(1, num_layers=1),
+                               speculative=SpeculativeConfig(gamma=4, **PROPOSERS[proposer]))
+    assert engine.end_ids == (END, second)
+    completions = [engine.generate(greedy_requests([p], max_tokens=15))[0] for p in ids]
+    assert [c.token_ids for c in completions] == [c.token_ids for c in reference]
+    assert completions[0].finish_reason == "stop" and second not in completions[0].token_ids
+    assert [c.finish_reason for c in completions] == [c.finish_reason for c in reference]
+
+
+def test_a_draft_with_another_tokenizer_of_the_same_size_is_refused(target, codec):
+    """Same vocabulary size, other ids: refused when both tokenizers are given, with the reason."""
+    model = build_model(0, vocab_size=codec.vocab_size)
+    draft = build_model(1, vocab_size=codec.vocab_size, num_layers=1)
+    for method in ("draft", "hybrid"):
+        with pytest.raises(IncompatibleDraftError, match="tokenizer"):
+            SpeculativeEngine(model, codec, draft=draft, draft_codec=swapped_codec(codec),
+                              speculative=SpeculativeConfig(method=method))
+        engine = SpeculativeEngine(model, codec, draft=draft, draft_codec=codec,
+                                   speculative=SpeculativeConfig(method=method))
+        assert engine.draft is draft
 
 
 def test_greedy_accept_is_speculative_accept_with_one_hot_distributions():

@@ -124,15 +124,19 @@ def evaluate(
     cache: str = typer.Option(None, help="diffusion cache: none, prompt, prefix or dual"),
     structured: bool = typer.Option(False, "--structured", help="JSON valid for the document kind's schema: "
                                     "template infilling (diffusion) or a grammar (ar, spec)"),
-    method: str = typer.Option("draft", help="spec: draft (the draft model) or ngram (prompt lookup)"),
-    gamma: int = typer.Option(4, help="spec: tokens proposed per target pass"),
-    draft: str = typer.Option(None, help="spec: draft checkpoint directory (default: the bundled draft)"),
+    method: str = typer.Option("hybrid", help="spec: hybrid (prompt lookup, else the draft model), draft (the "
+                                              "draft model) or ngram (prompt lookup, no draft)"),
+    gamma: int = typer.Option(None, help="spec: tokens proposed per target pass, at most (default: the method's "
+                                         "tuned setting)"),
+    draft: str = typer.Option(None, help="spec: draft checkpoint directory for methods hybrid and draft "
+                                         "(default: the bundled draft)"),
     threads: int = typer.Option(None, help="CPU threads (default: torch's choice)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Decode N held-out documents and score the JSON: accuracy, validity, forwards and latency."""
     import torch
 
+    from nowait.engines.speculative import SPEC_METHODS
     from nowait.evaluation import ENGINES, check_engine, diffusion_options, run_eval
 
     if engine not in ENGINES:
@@ -148,9 +152,9 @@ def evaluate(
         given = [flag for flag, value in diffusion_flags.items() if value is not None]
         if given:
             fail(f"{', '.join(given)} apply to --engine diffusion only")
-        if engine == "spec" and method not in ("draft", "ngram"):
-            fail(f"unknown speculative method {method!r}; choose draft or ngram")
-        if gamma < 1:
+        if engine == "spec" and method not in SPEC_METHODS:
+            fail(f"unknown speculative method {method!r}; choose {', '.join(SPEC_METHODS)}")
+        if gamma is not None and gamma < 1:
             fail("--gamma must be at least 1")
     else:
         try:
@@ -164,16 +168,22 @@ def evaluate(
         check_engine(loaded.model, engine)
     except ValueError as error:
         fail(str(error))
-    draft_model = _load_model(draft or "draft", engine).model if engine == "spec" and method == "draft" else None
+    serving = None
+    if engine == "spec" or (engine == "ar" and structured):
+        # Built before the progress bar, so a refused draft is one clear line.
+        serving = _build_ar_engine(loaded, engine, batch_size, structured, method, gamma, draft)
     columns = [TextColumn(f"[bold]eval {engine}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TimeRemainingColumn()]
     with Progress(*columns, console=err_console, transient=as_json) as progress:
         task = progress.add_task("eval", total=n)
         advance = lambda k: progress.advance(task, k)  # noqa: E731
         try:
-            if engine == "spec" or (engine == "ar" and structured):
-                result = _eval_ar_engine(loaded, engine, n, split, seed, batch_size, structured, method, gamma,
-                                         draft_model, advance)
+            if serving is not None:
+                from nowait.bench.ar_entries import run_engine_eval
+
+                # Speculation runs at batch size 1, where it pays; constrained AR batched.
+                result = run_engine_eval(serving, loaded.codec, n, split, seed, structured,
+                                         one_at_a_time=engine == "spec", on_batch=advance)
             else:
                 result = run_eval(loaded.model, loaded.codec, engine, n, split=split, seed=seed,
                                   batch_size=batch_size, block=block, policy=policy, tau=tau, cache=cache,
@@ -187,20 +197,26 @@ def evaluate(
     _print_eval_table(result)
 
 
-def _eval_ar_engine(loaded, engine: str, n: int, split: str, seed: int | None, batch_size: int, structured: bool,
-                    method: str, gamma: int, draft_model, on_batch) -> dict:
-    """`eval --engine spec` and `eval --engine ar --structured` run the serving engines
-    (speculation at batch size 1, where it pays; grammar-constrained AR batched)."""
-    from nowait.bench.ar_entries import build_ar_engine, build_spec_engine, run_engine_eval
+def _build_ar_engine(loaded, engine: str, batch_size: int, structured: bool, method: str, gamma: int | None,
+                     draft: str | None):
+    """The serving engine `eval --engine spec` and `eval --engine ar --structured` run, or fail
+    clearly: a missing draft, or one trained with another tokenizer than the target's."""
+    from nowait.bench.ar_entries import build_ar_engine, build_spec_engine, spec_settings
     from nowait.engines.autoregressive import EngineConfig
+    from nowait.engines.speculative import IncompatibleDraftError
 
-    if engine == "spec":
-        built = build_spec_engine(loaded.model, loaded.codec, method, draft_model, gamma, structured,
-                                  config=EngineConfig(max_num_seqs=1))
-        return run_engine_eval(built, loaded.codec, n, split, seed, structured, one_at_a_time=True,
-                               on_batch=on_batch)
-    built = build_ar_engine(loaded.model, loaded.codec, structured, config=EngineConfig(max_num_seqs=batch_size))
-    return run_engine_eval(built, loaded.codec, n, split, seed, structured, on_batch=on_batch)
+    if engine != "spec":
+        return build_ar_engine(loaded.model, loaded.codec, structured, config=EngineConfig(max_num_seqs=batch_size))
+    draft_loaded = _load_model(draft or "draft", engine) if spec_settings(method).uses_draft else None
+    try:
+        return build_spec_engine(loaded.model, loaded.codec, method, draft_loaded.model if draft_loaded else None,
+                                 gamma, structured, config=EngineConfig(max_num_seqs=1),
+                                 draft_codec=draft_loaded.codec if draft_loaded else None)
+    except IncompatibleDraftError as error:
+        fail(f"draft {draft_loaded.path}: {error}; use a draft trained with the target's tokenizer "
+             "(nowait train draft), or --method ngram")
+    except ValueError as error:
+        fail(str(error))
 
 
 def _print_eval_table(result: dict) -> None:

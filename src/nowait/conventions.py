@@ -38,11 +38,6 @@ class ModelConventions:
     def end_id(self) -> int:
         return self.end_ids[0]
 
-    @property
-    def extra_end_ids(self) -> tuple[int, ...]:
-        """End ids beyond the first: an engine that takes one end id gets these as stop ids."""
-        return self.end_ids[1:]
-
 
 def _token_text(value: object) -> str | None:
     """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""

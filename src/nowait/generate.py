@@ -25,7 +25,7 @@ def build_engine(loaded: LoadedModel, max_model_len: int | None = None, max_batc
     conventions = loaded.conventions
     if loaded.engine_kind == "ar":
         config = EngineConfig(max_num_seqs=max_batch, max_model_len=max_model_len)
-        return AutoregressiveEngine(loaded.model, loaded.codec, config, end_id=conventions.end_id)
+        return AutoregressiveEngine(loaded.model, loaded.codec, config, end_ids=conventions.end_ids)
     return DiffusionEngine(loaded.model, loaded.codec, options, max_batch=max_batch, end_ids=conventions.end_ids)
 
 
@@ -49,10 +49,9 @@ def generate_once(loaded: LoadedModel, prompt: str, max_tokens: int, temperature
         raise InvalidRequestError(f"the prompt is {len(ids)} tokens; with max_tokens {max_tokens} that exceeds the "
                                   f"model's {room} positions")
     engine = build_engine(loaded, max_model_len=len(ids) + max_tokens)
-    # An engine stops on one end id of its own; the checkpoint's others (Llama 3 Instruct:
-    # <|eot_id|> beside <|end_of_text|>) go in as the request's stop ids.
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
-                              stop_token_ids=loaded.conventions.extra_end_ids)
+    # The engine stops on every end id of the checkpoint (Llama 3 Instruct: <|eot_id|> beside
+    # <|end_of_text|>): `build_engine` gives it them all.
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
     started = time.perf_counter()
     [completion] = engine.generate([GenerationRequest(ids, sampling)])
     return completion, time.perf_counter() - started

@@ -17,22 +17,12 @@ import numpy as np
 
 from nowait.engines.autoregressive import AutoregressiveEngine, EngineConfig, greedy_decode
 from nowait.engines.base import Completion, GenerationRequest, SamplingParams
-from nowait.engines.speculative import SpeculativeConfig, SpeculativeEngine
+from nowait.engines.speculative import SPEC_METHODS, SPEC_SETTINGS, SpeculativeConfig, SpeculativeEngine
 from nowait.evaluation import ANSWER_WINDOW
 from nowait.extraction.corpus import Document, documents, schema_for
 from nowait.extraction.scorer import score_document, summarize
 from nowait.model import Transformer
 from nowait.tokenizer import TextCodec, extraction_prompt
-
-SPEC_METHODS = ("ngram", "draft", "hybrid")
-# Per-method settings, measured side by side on the demo models at batch size 1 (CPU; see
-# docs/engines-ar.md): the draft is cut short once it doubts (draft_confidence), which makes a
-# long gamma cheap; prompt lookups stop at 5 tokens, about where copied document values end.
-SPEC_SETTINGS = {
-    "ngram": SpeculativeConfig(method="ngram", gamma=4),
-    "draft": SpeculativeConfig(method="draft", gamma=8, draft_confidence=0.9),
-    "hybrid": SpeculativeConfig(method="hybrid", gamma=12, draft_confidence=0.95, lookup_gamma=5),
-}
 
 
 def grammar_for(model: Transformer, codec: TextCodec):
@@ -124,7 +114,9 @@ def run_engine_eval(engine: AutoregressiveEngine, codec: TextCodec, n: int, spli
     decoding = "greedy, KV cache, continuous batching"
     if isinstance(engine, SpeculativeEngine):
         spec = engine.speculative
-        decoding += f", speculative ({spec.method}, gamma {spec.gamma}, at most {spec.max_batch} sequences)"
+        tuning = "".join(f", {name} {value}" for name, value in
+                         (("draft_confidence", spec.draft_confidence), ("lookup_gamma", spec.lookup_gamma)) if value)
+        decoding += f", speculative ({spec.method}, gamma {spec.gamma}{tuning}, at most {spec.max_batch} sequences)"
     if structured:
         decoding += ", JSON Schema grammar (llguidance)"
     settings = {"engine": engine.name, "split": None if seed is not None else split, "seed": seed,

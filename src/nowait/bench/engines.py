@@ -124,15 +124,42 @@ def diffusion_structured_entry(ctx: BenchContext) -> dict:
 
 @register_entry("spec")
 def spec_bench_entry(ctx: BenchContext) -> dict:
-    """AR + the best speculative method at batch size 1 (draft model, prompt lookup beside it)."""
+    """AR + the best speculative method at batch size 1 (hybrid, draft model, prompt lookup)."""
     from nowait.bench.ar_entries import spec_entry
 
     loaded = ctx.model("ar")
-    # The bundled draft shares only the bundled AR model's vocabulary: with another AR model and
-    # no --draft-model, prompt lookup (which needs no draft) is the only method run.
-    own_ar = not ctx.model_paths.get("ar")
-    draft = ctx.optional_model("draft") if ctx.model_paths.get("draft") or own_ar else None
-    return spec_entry(loaded.model, loaded.codec, ctx.docs, draft=draft.model if draft else None)
+    draft, refused = _spec_draft(ctx, loaded)
+    entry = spec_entry(loaded.model, loaded.codec, ctx.docs, draft=draft.model if draft else None,
+                       draft_codec=draft.codec if draft else None)
+    return {**entry, "draft_refused": refused} if refused else entry
+
+
+def _spec_draft(ctx: BenchContext, target: LoadedModel) -> tuple[LoadedModel | None, str | None]:
+    """The draft for the `spec` entry, or None and why not.
+
+    A draft named with --draft-model must fit the target (else BenchError). The bundled draft
+    is tried only with the bundled AR model, and when its tokenizer no longer matches (the AR
+    model was retrained with a new tokenizer and the draft not yet) it is left out with the
+    reason: prompt lookup, which needs no draft, still runs.
+    """
+    from nowait.engines.speculative import IncompatibleDraftError, check_draft
+
+    named = bool(ctx.model_paths.get("draft"))
+    if named:
+        draft = ctx.model("draft")
+    elif not ctx.model_paths.get("ar"):
+        draft = ctx.optional_model("draft")
+    else:
+        return None, None
+    if draft is None:
+        return None, None
+    try:
+        check_draft(target.model, draft.model, target.codec, draft.codec)
+    except IncompatibleDraftError as error:
+        if named:
+            raise BenchError(f"draft model {draft.path}: {error}") from None
+        return None, f"{draft.path}: {error}"
+    return draft, None
 
 
 @register_entry("ar-structured")
@@ -241,6 +268,10 @@ def _print_table(report: dict) -> None:
                       f"{e['tokens_per_forward']:.2f}", f"{e['latency_ms_p50']:.1f}", f"{e['latency_ms_p95']:.1f}")
     console = Console()
     console.print(table)
+    for e in report["engines"]:
+        if e.get("draft_refused"):
+            console.print(f"{e['name']}: draft left out ({e['draft_refused']}); ran prompt lookup only",
+                          highlight=False)
     for kind, values in report["ratios"].items():
         if values:
             console.print(f"{kind}: " + ", ".join(f"{k} {v}" for k, v in values.items()), highlight=False)

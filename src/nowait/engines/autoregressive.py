@@ -10,6 +10,7 @@ policies are pure functions (`sampling.py`, `grammar.py`). The speculative engin
 
 from __future__ import annotations
 
+import collections.abc
 import random
 import time
 from collections.abc import Iterator
@@ -68,6 +69,21 @@ def greedy_decode(model: Transformer, prompts: list[list[int]], max_new_tokens: 
 # --- the serving engine: continuous batching over the KV cache ---
 
 
+def resolve_end_ids(codec: TextCodec | None, end_id: int | None,
+                    end_ids: collections.abc.Sequence[int] | None) -> tuple[int, ...]:
+    """The ids that end a sequence, the padding one first: `end_id`, then `end_ids`, else the
+    codec's end token. Refused when there is none: a real checkpoint's tokenizer has no
+    <|endoftext|>, and its end ids come from its files (`LoadedModel.conventions.end_ids`)."""
+    ids = [end_id] if end_id is not None else []
+    ids += list(end_ids or ())
+    if not ids and codec is not None and codec.end_id is not None:
+        ids = [codec.end_id]
+    if not ids:
+        raise ValueError("give end_ids (or end_id): " + ("this tokenizer has no <|endoftext|> token to default to"
+                                                        if codec is not None else "there is no codec to read it from"))
+    return tuple(dict.fromkeys(ids))
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Caps of the continuous-batching engine (see `nowait.engines.scheduler`).
@@ -90,7 +106,7 @@ class AutoregressiveEngine:
     yourself with `submit` and `step`.
 
     Per request: greedy or sampled (temperature, top-k, top-p, a seed of its own), stop tokens
-    (the model's end token always stops), `max_tokens`, and `schema` for JSON valid for that
+    (the model's end tokens always stop), `max_tokens`, and `schema` for JSON valid for that
     JSON Schema (needs a `GrammarCompiler`). Not thread-safe: one loop drives it.
     """
 
@@ -98,14 +114,18 @@ class AutoregressiveEngine:
     kind = "ar"
 
     def __init__(self, model: Transformer, codec: TextCodec | None = None, config: EngineConfig | None = None,
-                 *, end_id: int | None = None, grammar: GrammarCompiler | None = None) -> None:
+                 *, end_id: int | None = None, end_ids: collections.abc.Sequence[int] | None = None,
+                 grammar: GrammarCompiler | None = None) -> None:
+        """`end_ids`: the checkpoint's end-of-text ids (`LoadedModel.conventions.end_ids`;
+        Llama 3 Instruct: <|end_of_text|> and <|eot_id|>); a sequence stops at any of them.
+        `end_id` (default: the first of `end_ids`, else the codec's end token) also stops and
+        pads the rows of a batch."""
         if not model.config.causal:
             raise ValueError("the AR engine needs a causal model; this one is bidirectional (diffusion)")
-        if codec is None and end_id is None:
-            raise ValueError("give a codec or an end_id")
         self.model = model.eval()
         self.codec = codec
-        self.end_id = codec.end_id if end_id is None else end_id
+        self.end_ids = resolve_end_ids(codec, end_id, end_ids)
+        self.end_id = self.end_ids[0]
         self.config = config or EngineConfig()
         self.max_model_len = self.config.max_model_len or model.config.max_position
         self.grammar = grammar
@@ -155,7 +175,7 @@ class AutoregressiveEngine:
         if sampling.temperature > 0:
             generator = torch.Generator()
             generator.manual_seed(sampling.seed if sampling.seed is not None else self._seed_source.getrandbits(63))
-        seq = Sequence(self._next_seq_id, request, frozenset({self.end_id, *sampling.stop_token_ids}),
+        seq = Sequence(self._next_seq_id, request, frozenset({*self.end_ids, *sampling.stop_token_ids}),
                        self.max_model_len, generator, matcher)
         self._next_seq_id += 1
         self.scheduler.add(seq)

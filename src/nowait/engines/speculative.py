@@ -42,6 +42,7 @@ it to the batch size at which batched decoding stops being nearly free per extra
 
 from __future__ import annotations
 
+import collections.abc
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -253,6 +254,19 @@ class SpeculativeConfig:
         return self.method in ("draft", "hybrid")
 
 
+# Per-method settings, measured side by side on the demo models at batch size 1 (CPU; see
+# docs/engines-ar.md): the draft is cut short once it doubts (draft_confidence), which makes a
+# long gamma cheap; prompt lookups stop at 5 tokens, about where copied document values end.
+# Hybrid was the fastest; the bench (`nowait bench engines --only spec`) remeasures all three.
+SPEC_SETTINGS: dict[str, SpeculativeConfig] = {
+    "ngram": SpeculativeConfig(method="ngram", gamma=4),
+    "draft": SpeculativeConfig(method="draft", gamma=8, draft_confidence=0.9),
+    "hybrid": SpeculativeConfig(method="hybrid", gamma=12, draft_confidence=0.95, lookup_gamma=5),
+}
+SPEC_METHODS = tuple(SPEC_SETTINGS)
+BEST_METHOD = "hybrid"  # the default of `nowait eval --engine spec` and the gateway's spec engines
+
+
 class SpeculativeEngine(AutoregressiveEngine):
     """The AR engine whose decode step proposes and verifies (draft model, prompt lookup or both).
 
@@ -265,7 +279,11 @@ class SpeculativeEngine(AutoregressiveEngine):
 
     def __init__(self, model: Transformer, codec: TextCodec | None = None, config: EngineConfig | None = None,
                  *, draft: Transformer | None = None, speculative: SpeculativeConfig | None = None,
-                 draft_codec: TextCodec | None = None, end_id: int | None = None, grammar=None) -> None:
+                 draft_codec: TextCodec | None = None, end_id: int | None = None,
+                 end_ids: collections.abc.Sequence[int] | None = None, grammar=None) -> None:
+        """`draft_codec`: the draft checkpoint's tokenizer; given, a draft whose tokens mean
+        something else than the target's is refused (`check_draft`). `end_id`, `end_ids`: as
+        for `AutoregressiveEngine`."""
         self.speculative = speculative or SpeculativeConfig()
         self.speculative.validate()
         if self.speculative.uses_draft:
@@ -273,7 +291,7 @@ class SpeculativeEngine(AutoregressiveEngine):
                 raise IncompatibleDraftError(f"method {self.speculative.method!r} needs a draft model")
             check_draft(model, draft, codec, draft_codec)
         self.draft = draft.eval() if draft is not None and self.speculative.uses_draft else None
-        super().__init__(model, codec, config, end_id=end_id, grammar=grammar)
+        super().__init__(model, codec, config, end_id=end_id, end_ids=end_ids, grammar=grammar)
         self.draft_runner = ModelRunner(self.draft, self.pool, 1, pad_id=self.end_id) if self.draft else None
 
     def _cached_models(self) -> list[Transformer]:

@@ -9,6 +9,7 @@ examples/nowait.yaml is a full example.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -18,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from nowait import paths
 from nowait.engines.base import InvalidRequestError
 from nowait.engines.diffusion_request import DiffusionOptions
+from nowait.engines.speculative import BEST_METHOD, SPEC_SETTINGS, SpeculativeConfig
 from nowait.planner.hardware import NODES
 from nowait.router import DataClass, RemoteEngine, RoutingPolicy
 
@@ -61,11 +63,27 @@ class ArEngineConfig(OwnedEngineConfig):
 
 
 class SpecEngineConfig(ArEngineConfig):
+    """AR + speculative decoding. `gamma`, `draft_confidence` and `lookup_gamma` left unset take
+    the method's tuned values (`nowait.engines.speculative.SPEC_SETTINGS`), so choosing a method
+    gets the settings measured for it rather than another method's."""
+
     kind: Literal["spec"]  # type: ignore[assignment]
     max_num_seqs: int = Field(4, ge=1)  # speculation pays at small batch (engines/speculative.py)
-    method: Literal["draft", "ngram"] = "draft"
-    draft: str = Field("draft", description="draft checkpoint (method: draft)")
-    gamma: int = Field(4, ge=1)
+    method: Literal["hybrid", "draft", "ngram"] = Field(
+        BEST_METHOD, description="hybrid (prompt lookup, else the draft model), draft, or ngram (no draft model)")
+    draft: str = Field("draft", description="draft checkpoint (methods hybrid and draft); it must share the "
+                                            "target's tokenizer")
+    gamma: int | None = Field(None, ge=1, description="proposals per step, at most (default: the method's)")
+    draft_confidence: float | None = Field(None, ge=0, lt=1, description="stop drafting after a proposal the "
+                                           "draft is less sure of (0: never; default: the method's)")
+    lookup_gamma: int | None = Field(None, ge=1, description="tokens one prompt lookup proposes, at most "
+                                     "(default: the method's)")
+
+    def speculative_config(self) -> SpeculativeConfig:
+        """The engine's settings: the method's tuned ones, with what this config sets instead."""
+        chosen = {name: value for name in ("gamma", "draft_confidence", "lookup_gamma")
+                  if (value := getattr(self, name)) is not None}
+        return replace(SPEC_SETTINGS[self.method], **chosen)
 
 
 class DiffusionEngineConfig(OwnedEngineConfig):
@@ -239,7 +257,7 @@ def default_config() -> GatewayConfig:
     """No file: the bundled demo models, `ar` for batches and fallback, `diffusion` for fast work."""
     return GatewayConfig(engines={
         "ar": ArEngineConfig(kind="ar", model="ar"),
-        "spec": SpecEngineConfig(kind="spec", model="ar", draft="draft"),
+        "spec": SpecEngineConfig(kind="spec", model="ar", draft="draft"),  # the best method, tuned
         "diffusion": DiffusionEngineConfig(kind="diffusion", model="diffusion"),
     })
 

@@ -41,7 +41,7 @@ from nowait.engines.base import Completion, GenerationRequest, InvalidRequestErr
 from nowait.engines.diffusion_engine import DiffusionEngine
 from nowait.engines.diffusion_request import DiffusionOptions
 from nowait.engines.sequence import Sequence
-from nowait.engines.speculative import IncompatibleDraftError, SpeculativeConfig, SpeculativeEngine
+from nowait.engines.speculative import IncompatibleDraftError, SpeculativeEngine
 from nowait.gateway.config import ArEngineConfig, DiffusionEngineConfig, SpecEngineConfig
 from nowait.gateway.domain import Attempt, Call
 from nowait.gateway.errors import APIError, bad_request, engine_unavailable, queue_full, timed_out
@@ -434,11 +434,10 @@ class OwnedBackend:
                                 f"the {where}{' or max_tokens' if limit is not None else ''}.",
                            param="max_tokens" if room > 0 else where, code="context_length_exceeded")
         s = call.sampling
-        # An engine stops on one end id of its own; the checkpoint's others go in as stop ids.
+        # The engine stops on every end id of the checkpoint itself (built with its end_ids).
         sampling = SamplingParams(max_tokens=limit if limit is not None else min(self.default_max_tokens, room),
                                   temperature=s.temperature or 0.0, top_p=s.top_p or 1.0, top_k=s.top_k or 0,
-                                  seed=s.seed,
-                                  stop_token_ids=self.conventions.extra_end_ids if self.conventions else ())
+                                  seed=s.seed)
         schema = call.schema
         if self.kind == "diffusion" and schema == ANY_OBJECT:
             schema = None  # no template for "any object": decode free-form, the dispatcher checks the JSON
@@ -635,13 +634,10 @@ def build_owned(name: str, spec: ArEngineConfig | SpecEngineConfig | DiffusionEn
                               max_model_len=spec.max_model_len)
         grammar = _grammar(loaded) if spec.structured else None
         if isinstance(spec, SpecEngineConfig):
-            draft = cache.load(spec.draft, spec.dtype, spec.device).model if spec.method == "draft" else None
-            engine = SpeculativeEngine(loaded.model, loaded.codec, config, draft=draft, grammar=grammar,
-                                       speculative=SpeculativeConfig(method=spec.method, gamma=spec.gamma),
-                                       end_id=loaded.conventions.end_id)
+            engine = _speculative_engine(spec, loaded, cache, config, grammar)
         else:
             engine = AutoregressiveEngine(loaded.model, loaded.codec, config, grammar=grammar,
-                                          end_id=loaded.conventions.end_id)
+                                          end_ids=loaded.conventions.end_ids)
         engine.name = name
         worker = ArWorker(name, engine, loaded.codec, stats)
         return OwnedBackend(name, spec.kind, worker, loaded.codec, engine.max_model_len, spec.max_num_seqs,
@@ -650,3 +646,27 @@ def build_owned(name: str, spec: ArEngineConfig | SpecEngineConfig | DiffusionEn
     except (CheckpointError, IncompatibleDraftError, ValueError) as error:
         log.warning("engine %r is not available: %s", name, error)
         return UnavailableBackend(name, spec.kind, str(error), window_s)
+
+
+def _speculative_engine(spec: SpecEngineConfig, loaded: LoadedModel, cache: ModelCache, config: EngineConfig,
+                        grammar: GrammarCompiler | None) -> SpeculativeEngine:
+    """The target with its draft (methods hybrid and draft). The draft's tokenizer goes in too, so
+    a draft trained with another tokenizer of the same size is refused (IncompatibleDraftError)
+    instead of proposing tokens that mean something else to the target: every proposal would be
+    rejected and the engine would run slower than plain AR."""
+    speculative = spec.speculative_config()
+    draft = None
+    if speculative.uses_draft:
+        try:
+            draft = cache.load(spec.draft, spec.dtype, spec.device)
+        except CheckpointError as error:
+            raise CheckpointError(f"draft model: {error}") from None
+    try:
+        return SpeculativeEngine(loaded.model, loaded.codec, config, draft=draft.model if draft else None,
+                                 draft_codec=draft.codec if draft else None, grammar=grammar,
+                                 speculative=speculative, end_ids=loaded.conventions.end_ids)
+    except IncompatibleDraftError as error:
+        hint = f" (`nowait train {spec.draft}`)" if spec.draft in paths.DEMO_MODELS else ""
+        message = (f"draft {spec.draft!r} cannot serve model {spec.model!r}: {error}. Use a draft trained with the "
+                   f"target's tokenizer{hint}, or method: ngram (no draft)")
+        raise IncompatibleDraftError(message) from None
