@@ -236,6 +236,75 @@ def _print_eval_table(result: dict) -> None:
 
 
 @app.command()
+def calibrate(
+    model: str = typer.Option("diffusion", help="the diffusion model to calibrate (bundled name or checkpoint path)"),
+    ar_model: str = typer.Option("ar", help="the AR model answers fall back to (its accuracy is the default target)"),
+    n: int = typer.Option(200, help="held-out documents to decode"),
+    split: str = typer.Option("validation", help="validation or test"),
+    target: float = typer.Option(None, help="field accuracy the kept diffusion answers must reach (default: the AR "
+                                            "model's on the same documents)"),
+    structured: bool = typer.Option(True, "--structured/--free-form", help="schema-template answers (the "
+                                    "real-time extraction route) or free-form ones"),
+    batch_size: int = typer.Option(8),
+    write: bool = typer.Option(True, "--write/--no-write", help="write calibration.json beside the model"),
+    threads: int = typer.Option(None, help="CPU threads (default: torch's choice)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Choose the confidence threshold below which diffusion answers fall back to AR, on held-out data."""
+    import torch
+
+    from nowait.calibration import calibrate as run_calibration
+    from nowait.calibration import write_calibration
+    from nowait.evaluation import check_engine
+
+    if split not in ("validation", "test"):
+        fail(f"unknown split {split!r}; choose validation or test")
+    if n < 1 or batch_size < 1:
+        fail("--n and --batch-size must be at least 1")
+    if target is not None and not 0 < target <= 1:
+        fail(f"--target must be in (0, 1], got {target}")
+    if threads:
+        torch.set_num_threads(threads)
+    diffusion, ar = _load_model(model, "diffusion"), _load_model(ar_model, "ar")
+    try:
+        check_engine(diffusion.model, "diffusion")
+        check_engine(ar.model, "ar")
+    except ValueError as error:
+        fail(str(error))
+    if ar.codec.tokenizer.get_vocab(True) != diffusion.codec.tokenizer.get_vocab(True):
+        fail(f"{ar.path} and {diffusion.path} have different tokenizers; calibrate against the AR model that serves "
+             "the fallback")
+    columns = [TextColumn("[bold]calibrate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TimeRemainingColumn()]
+    with Progress(*columns, console=err_console, transient=as_json) as progress:
+        task = progress.add_task("calibrate", total=n)
+        try:
+            result = run_calibration(diffusion.model, ar.model, diffusion.codec, n, split, structured, target,
+                                     batch_size, on_batch=lambda k: progress.advance(task, k))
+        except ValueError as error:
+            fail(str(error))
+    result["model"], result["ar_model"] = str(diffusion.path), str(ar.path)
+    if write:
+        result["written_to"] = str(write_calibration(diffusion.path, result))
+    if as_json:
+        print(json.dumps(result))
+        return
+    console.print(f"diffusion field accuracy {result['fast_field_accuracy']:.3f}, AR {result['ar_field_accuracy']:.3f} "
+                  f"on {n} {split} documents ({'schema template' if structured else 'free-form'})", highlight=False)
+    if result["reached"]:
+        console.print(f"threshold {result['confidence_threshold']:.4g}: {result['acceptance_rate']:.0%} of answers "
+                      f"stay on diffusion at field accuracy {result['accepted_field_accuracy']:.3f} (target "
+                      f"{result['target_field_accuracy']:.3f}); routed accuracy {result['routed_field_accuracy']:.3f}",
+                      highlight=False)
+    else:
+        console.print(f"no threshold reaches field accuracy {result['target_field_accuracy']:.3f}: every answer "
+                      f"falls back (threshold {result['confidence_threshold']:.4g})", highlight=False)
+    if write:
+        console.print(f"written to {result['written_to']}; `nowait serve` uses it when routing.confidence_threshold "
+                      "is not set", highlight=False)
+
+
+@app.command()
 def extract(
     file: Path = typer.Argument(None, help="a text document (default: the bundled sample KYC form)"),
     kind: str = typer.Option(None, help="kyc, letter_of_credit or loan_application (default: guessed)"),

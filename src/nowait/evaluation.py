@@ -80,6 +80,7 @@ class DecodeRecord:
     forwards: int
     completion_tokens: int
     latency_s: float
+    confidence: float | None = None  # the engine's overall confidence (diffusion), None for greedy AR
 
 
 def decode_records(model: Transformer, codec: TextCodec, engine: str, docs: list[Document], batch_size: int = 32,
@@ -112,7 +113,7 @@ def decode_records(model: Transformer, codec: TextCodec, engine: str, docs: list
                         for prompt, d in zip(prompts, chunk, strict=True)]
             for completion in diffusion_engine.generate(requests):
                 records.append(DecodeRecord(completion.text, completion.forwards, completion.completion_tokens,
-                                            completion.timings.total_s))
+                                            completion.timings.total_s, completion.confidence))
         if on_batch:
             on_batch(len(chunk))
     return records

@@ -48,13 +48,18 @@ class RemoteEngine(BaseModel):
         return data_class is not DataClass.restricted and data_class in self.data_classes
 
 
+# Used when neither the config nor a calibration file (`nowait calibrate`) gives a threshold.
+DEFAULT_CONFIDENCE_THRESHOLD = 0.9
+
+
 class RoutingPolicy(BaseModel):
     """The thresholds and engine names the rule needs; the gateway and the planner read it from their configs."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     high_value_usd_per_mtok: float = Field(5.0, ge=0, description="a token worth at least this is high value")
-    confidence_threshold: float = Field(0.9, ge=0, le=1, description="diffusion answers below it re-run on AR")
+    confidence_threshold: float = Field(DEFAULT_CONFIDENCE_THRESHOLD, ge=0, le=1,
+                                        description="diffusion answers below it re-run on AR")
     batchable_budget_ms: float | None = Field(
         None, gt=0, description="a latency budget at least this long can wait for a batch (None: only the flag)")
     owned_engines: tuple[str, ...] = ("ar", "spec", "diffusion")

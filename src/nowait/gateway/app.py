@@ -233,7 +233,10 @@ def create_app(config: GatewayConfig, backends: dict[str, Backend] | None = None
         engines = {name: {"kind": b.kind, "available": b.available, "reason": b.unavailable_reason or None,
                           "running": b.running(), "waiting": b.waiting()} for name, b in gateway.backends.items()}
         ready = gateway.ready()
-        return JSONResponse({"status": "ready" if ready else "not_ready", "engines": engines},
+        threshold, source = gateway.config.confidence_threshold()
+        routing = {"confidence_threshold": threshold, "confidence_threshold_source": source,
+                   "fallback_engine": gateway.config.routing.fallback_engine}
+        return JSONResponse({"status": "ready" if ready else "not_ready", "engines": engines, "routing": routing},
                             status_code=200 if ready else 503)
 
     @app.get("/metrics")

@@ -42,6 +42,9 @@ def serve(
         logging.getLogger("nowait.gateway").warning(
             "listening on %s with no API keys: anyone who can reach it can use it (set auth.api_keys or "
             "NOWAIT_API_KEYS)", server.host)
+    threshold, source = settings.confidence_threshold()
+    logging.getLogger("nowait.gateway").info("diffusion answers below confidence %.3g re-run on %s (from %s)",
+                                             threshold, settings.routing.fallback_engine, source)
     uvicorn.run(create_app(settings), host=server.host, port=server.port, log_level=log_level)
 
 

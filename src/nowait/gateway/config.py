@@ -17,11 +17,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from nowait import paths
+from nowait.calibration import CALIBRATION_FILE, calibrated_threshold
 from nowait.engines.base import InvalidRequestError
 from nowait.engines.diffusion_request import DiffusionOptions
 from nowait.engines.speculative import BEST_METHOD, SPEC_SETTINGS, SpeculativeConfig
 from nowait.planner.hardware import NODES
-from nowait.router import DataClass, RemoteEngine, RoutingPolicy
+from nowait.router import DEFAULT_CONFIDENCE_THRESHOLD, DataClass, RemoteEngine, RoutingPolicy
 
 # The one reference price the project quotes (docs/mission.md, planner catalog): an 8xH100 node on
 # demand. A default only; set `node_usd_per_hour` to what your node really costs.
@@ -142,7 +143,10 @@ EngineSpec = Annotated[ArEngineConfig | SpecEngineConfig | DiffusionEngineConfig
 
 class RoutingConfig(Strict):
     high_value_usd_per_mtok: float = Field(5.0, ge=0)
-    confidence_threshold: float = Field(0.9, ge=0, le=1)
+    confidence_threshold: float | None = Field(
+        None, ge=0, le=1, description="diffusion answers below it re-run on the fallback engine (default: the "
+                                      "threshold `nowait calibrate` wrote beside the fast engine's model, else "
+                                      f"{DEFAULT_CONFIDENCE_THRESHOLD:g})")
     batchable_budget_ms: float | None = Field(None, gt=0)
     batch_engine: str = "ar"
     fast_engine: str | None = "diffusion"
@@ -233,12 +237,26 @@ class GatewayConfig(Strict):
         return {n: RemoteEngine(name=n, data_classes=tuple(self.engines[n].data_classes))
                 for n in self.external_engine_names()}
 
+    def confidence_threshold(self) -> tuple[float, str]:
+        """The fallback threshold and where it came from (the config, a calibration file, the default)."""
+        r = self.routing
+        if r.confidence_threshold is not None:
+            return r.confidence_threshold, "routing.confidence_threshold"
+        fast = self.engines.get(r.fast_engine) if r.fast_engine else None
+        if isinstance(fast, OwnedEngineConfig):
+            model_dir = paths.model_dir(fast.model)
+            calibrated = calibrated_threshold(model_dir)
+            if calibrated is not None:
+                return calibrated, str(model_dir / CALIBRATION_FILE)
+        return DEFAULT_CONFIDENCE_THRESHOLD, "default"
+
     def routing_policy(self) -> RoutingPolicy:
         r = self.routing
         remotes = self.remote_engines()
         frontier = r.frontier_remotes if r.frontier_remotes is not None else list(remotes)
         return RoutingPolicy(high_value_usd_per_mtok=r.high_value_usd_per_mtok,
-                             confidence_threshold=r.confidence_threshold, batchable_budget_ms=r.batchable_budget_ms,
+                             confidence_threshold=self.confidence_threshold()[0],
+                             batchable_budget_ms=r.batchable_budget_ms,
                              owned_engines=tuple(self.owned_engine_names()), batch_engine=r.batch_engine,
                              fast_engine=r.fast_engine, fallback_engine=r.fallback_engine,
                              owned_frontier_engine=r.owned_frontier_engine,
