@@ -82,3 +82,7 @@ def test_measure_batching_compares_batched_and_sequential(codec, model):
     for r in results:
         assert r["batched_tokens_per_s"] > 0 and r["sequential_tokens_per_s"] > 0
         assert r["outputs_identical"]
+        # The phases are parts of each run's wall time; one prefill per request one at a time.
+        for mode in ("batched", "sequential"):
+            assert 0 < r["prefill_s"][mode] + r["decode_s"][mode] <= r[f"{mode}_s"] + 1e-3
+        assert r["decode_s"]["sequential"] > 0 and r["decode_speedup"] > 0

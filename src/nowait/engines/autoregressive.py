@@ -135,6 +135,7 @@ class AutoregressiveEngine:
         self.runner = ModelRunner(model, self.pool, 0, pad_id=self.end_id)
         self.vocab_size = model.config.vocab_size
         self.steps = {"prefill": 0, "decode": 0}
+        self.step_seconds = {"prefill": 0.0, "decode": 0.0}  # wall time of the forwards, by kind
         self._next_seq_id = 0
         self._completed: dict[int, Completion] = {}
         self._seed_source = random.Random()
@@ -191,11 +192,13 @@ class AutoregressiveEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        started = time.perf_counter()
         if batch.kind == "prefill":
             self._run_prefill(batch)
         else:
             self._run_decode(batch)
         self.steps[batch.kind] += 1
+        self.step_seconds[batch.kind] += time.perf_counter() - started
         finished = [s for s in batch.seqs if s.is_finished]
         self._retire(finished)
         return finished
