@@ -23,12 +23,12 @@ from nowait.planner.calibration import (
     predicted_timeline,
     relative_error,
 )
-from nowait.planner.cli import register
 from nowait.planner.engines import AutoregressiveServing
 from nowait.planner.hardware import Accelerator
 from nowait.planner.plan import build_fleets
 from nowait.planner.profile import Profile, fit_profile
 from nowait.planner.scenario import load_scenario
+from tests.planner_support import planner_app
 
 SCENARIO = {
     "name": "calibration", "hardware": {"node": "8xH100-SXM"}, "model": "llama-3.2-1b", "dtype": "bf16",
@@ -61,14 +61,7 @@ def run(target: str, kind: str | None, e2e_ms: float, prompt: float, answer: flo
 
 @pytest.fixture
 def app() -> typer.Typer:
-    app = typer.Typer()
-
-    @app.callback()
-    def root() -> None:
-        """A stand-in for the main app."""
-
-    register(app)
-    return app
+    return planner_app()
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from nowait.planner.cli import register
+from tests.planner_support import planner_app
 
 SMALL = {  # a 1B model on 8xH100, one replica per accelerator; small enough to plan in well under a second
     "name": "small", "hardware": {"node": "8xH100-SXM"}, "model": "llama-3.2-1b",
@@ -24,14 +24,7 @@ ENGINE_KEYS = {"single_stream_tokens_per_s", "tokens_per_s_per_node", "nodes", "
 
 @pytest.fixture
 def app() -> typer.Typer:
-    app = typer.Typer()
-
-    @app.callback()
-    def root() -> None:
-        """A stand-in for the main app."""
-
-    register(app)
-    return app
+    return planner_app()
 
 
 @pytest.fixture

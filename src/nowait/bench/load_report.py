@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import html
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+
+from nowait.plots import finish_figure, pyplot
 
 
 def _ms(values: dict | None, key: str) -> str:
@@ -73,12 +77,15 @@ def _by_target(runs: list[dict]) -> dict[str, list[dict]]:
     return named
 
 
+def _line_per_target(axis: Any, runs: list[dict], x: Callable[[dict], float], y: Callable[[dict], float]) -> None:
+    """One line per target, its runs in order of `x`, so the plots compare targets at a glance."""
+    for index, (name, group) in enumerate(_by_target(runs).items()):
+        group = sorted(group, key=x)
+        axis.plot([x(r) for r in group], [y(r) for r in group], "o-", color=f"C{index}", label=name)
+
+
 def _plots(report: dict, directory: Path) -> list[tuple[str, str]]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     runs = [r for r in report["runs"] if r["successful"]]
     written: list[tuple[str, str]] = []
     if not runs:
@@ -96,45 +103,21 @@ def _plots(report: dict, directory: Path) -> list[tuple[str, str]]:
     if target_ms and target_ms <= 2 * highest:  # a far-off target would flatten every line to the axis
         axis.axhline(target_ms, color="grey", linestyle=":", label=f"target {target_ms:g} ms")
     axis.set_ylim(bottom=0)
-    axis.set_xlabel("achieved requests/s")
-    axis.set_ylabel("end-to-end latency (ms)")
-    axis.set_title("Latency vs request rate")
-    axis.grid(True, alpha=0.3)
-    axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(directory / "latency_vs_rate.png", dpi=110)
-    plt.close(figure)
+    finish_figure(figure, axis, directory / "latency_vs_rate.png", "achieved requests/s", "end-to-end latency (ms)",
+                  "Latency vs request rate")
     written.append(("latency_vs_rate.png", "End-to-end latency (p50 solid, p99 dashed) against achieved requests/s"))
 
     figure, axis = plt.subplots(figsize=(7, 4.5))
-    for index, (name, group) in enumerate(_by_target(runs).items()):
-        group = sorted(group, key=lambda r: r["mean_concurrency"])
-        axis.plot([r["mean_concurrency"] for r in group], [r["output_tokens_per_s"] for r in group], "o-",
-                  color=f"C{index}", label=name)
-    axis.set_xlabel("mean requests in flight")
-    axis.set_ylabel("output tokens/s")
-    axis.set_title("Throughput vs concurrency")
-    axis.grid(True, alpha=0.3)
-    axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(directory / "tokens_vs_concurrency.png", dpi=110)
-    plt.close(figure)
+    _line_per_target(axis, runs, lambda r: r["mean_concurrency"], lambda r: r["output_tokens_per_s"])
+    finish_figure(figure, axis, directory / "tokens_vs_concurrency.png", "mean requests in flight", "output tokens/s",
+                  "Throughput vs concurrency")
     written.append(("tokens_vs_concurrency.png", "Output tokens/s against mean requests in flight"))
 
     figure, axis = plt.subplots(figsize=(7, 4.5))
-    for index, (name, group) in enumerate(_by_target(runs).items()):
-        group = sorted(group, key=lambda r: r["requests_per_s"])
-        axis.plot([r["requests_per_s"] for r in group], [100 * r["goodput"]["fraction"] for r in group], "o-",
-                  color=f"C{index}", label=name)
-    axis.set_xlabel("achieved requests/s")
-    axis.set_ylabel("requests within the latency target (%)")
+    _line_per_target(axis, runs, lambda r: r["requests_per_s"], lambda r: 100 * r["goodput"]["fraction"])
     axis.set_ylim(0, 105)
-    axis.set_title("Goodput vs request rate")
-    axis.grid(True, alpha=0.3)
-    axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(directory / "goodput_vs_rate.png", dpi=110)
-    plt.close(figure)
+    finish_figure(figure, axis, directory / "goodput_vs_rate.png", "achieved requests/s",
+                  "requests within the latency target (%)", "Goodput vs request rate")
     written.append(("goodput_vs_rate.png", "Share of requests answered within the latency target"))
     return written
 

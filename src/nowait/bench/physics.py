@@ -19,6 +19,7 @@ import typer
 from nowait.bench import bench_app
 from nowait.model import KVCache, ModelConfig, Transformer
 from nowait.planner.hardware import time_best
+from nowait.plots import finish_figure, pyplot
 
 PROMPT_TOKENS = 170  # a typical extraction prompt of the demo corpus
 ANSWER_WINDOW = 160
@@ -99,30 +100,20 @@ def measure(config: ModelConfig, peak_flops: float, bandwidth: float, cases: lis
 
 def plot_roofline(report: dict, path: Path) -> Path:
     """Log-log roofline of this machine with each case's measured operating point."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     peak, bandwidth = report["peak_flops"], report["bandwidth"]
     intensities = [c["intensity"] for c in report["cases"]]
     low, high = min(*intensities, 1.0) / 4, max(*intensities, report["ridge_intensity"]) * 4
     xs = [low * (high / low) ** (i / 200) for i in range(201)]
-    figure, axis = plt.subplots(figsize=(7, 4.5))
+    figure, axis = pyplot().subplots(figsize=(7, 4.5))
     axis.loglog(xs, [min(peak, x * bandwidth) / 1e9 for x in xs], color="black", label="roofline (measured)")
     for case in report["cases"]:
         axis.scatter(case["intensity"], case["achieved_flops"] / 1e9, s=40, zorder=3)
         axis.annotate(case["name"], (case["intensity"], case["achieved_flops"] / 1e9), textcoords="offset points",
                       xytext=(5, -12))
-    axis.set_xlabel("arithmetic intensity (FLOP / byte)")
-    axis.set_ylabel("GFLOP/s")
-    axis.set_title("Where each engine's forward sits on this machine's roofline")
-    axis.grid(True, which="both", alpha=0.3)
-    axis.legend(loc="lower right")
-    figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    finish_figure(figure, axis, path, "arithmetic intensity (FLOP / byte)", "GFLOP/s",
+                  "Where each engine's forward sits on this machine's roofline", grid_which="both", legend_size=None,
+                  legend_loc="lower right", dpi=120)
     return path
 
 

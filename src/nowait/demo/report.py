@@ -18,6 +18,7 @@ from nowait.demo.economics import EngineTotals
 from nowait.demo.plan import BATCH, ROUTE_TITLES, ROUTES, DemoPlan
 from nowait.demo.scoreboard import Scoreboard
 from nowait.demo.view import comparison_sentence
+from nowait.plots import finish_figure, pyplot, save_figure
 
 
 def summary_dict(board: Scoreboard, totals: list[EngineTotals], plan: DemoPlan, verdict: list[str],
@@ -43,11 +44,7 @@ def summary_dict(board: Scoreboard, totals: list[EngineTotals], plan: DemoPlan, 
 
 
 def _plots(board: Scoreboard, plan: DemoPlan, directory: Path) -> list[tuple[str, str]]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     written = []
     colors = {route: f"C{i}" for i, route in enumerate(ROUTES)}
 
@@ -58,14 +55,8 @@ def _plots(board: Scoreboard, plan: DemoPlan, directory: Path) -> list[tuple[str
             axis.scatter([r.sent_s for r in ok], [r.e2e_s * 1000 for r in ok], s=14, color=colors[route],
                          label=ROUTE_TITLES[route], alpha=0.8)
     axis.axhline(plan.latency_budget_ms, color="grey", linestyle=":", label=f"budget {plan.latency_budget_ms:g} ms")
-    axis.set_xlabel("sent at (s)")
-    axis.set_ylabel("end-to-end latency (ms)")
-    axis.set_title("Every interactive request")
-    axis.grid(True, alpha=0.3)
-    axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(directory / "latency_over_time.png", dpi=110)
-    plt.close(figure)
+    finish_figure(figure, axis, directory / "latency_over_time.png", "sent at (s)", "end-to-end latency (ms)",
+                  "Every interactive request")
     written.append(("latency_over_time.png", "End-to-end latency of every interactive request, by route"))
 
     stats = [s for s in board.all_stats() if s.route != BATCH and s.p50_ms is not None]
@@ -80,9 +71,7 @@ def _plots(board: Scoreboard, plan: DemoPlan, directory: Path) -> list[tuple[str
         axis.set_ylabel("ms")
         axis.set_title("Latency per route (the real-time forms routed, and pinned to AR)")
         axis.legend(fontsize=8)
-        figure.tight_layout()
-        figure.savefig(directory / "latency_by_route.png", dpi=110)
-        plt.close(figure)
+        save_figure(figure, directory / "latency_by_route.png")
         written.append(("latency_by_route.png", "p50 and p99 latency per route"))
 
     scored = [s for s in board.all_stats() if s.field_accuracy is not None]
@@ -94,9 +83,7 @@ def _plots(board: Scoreboard, plan: DemoPlan, directory: Path) -> list[tuple[str
         axis.set_ylabel("field accuracy")
         axis.set_title("Accuracy against the ground truth (held-out documents)")
         axis.tick_params(axis="x", labelsize=8)
-        figure.tight_layout()
-        figure.savefig(directory / "accuracy_by_route.png", dpi=110)
-        plt.close(figure)
+        save_figure(figure, directory / "accuracy_by_route.png")
         written.append(("accuracy_by_route.png", "Field accuracy per route"))
 
     if board.snapshots:
@@ -117,9 +104,7 @@ def _plots(board: Scoreboard, plan: DemoPlan, directory: Path) -> list[tuple[str
         bottom.set_ylabel("effective $ / Mtok")
         bottom.set_xlabel("demo time (s)")
         bottom.grid(True, which="both", alpha=0.3)
-        figure.tight_layout()
-        figure.savefig(directory / "engines_over_time.png", dpi=110)
-        plt.close(figure)
+        save_figure(figure, directory / "engines_over_time.png")
         written.append(("engines_over_time.png", "Utilization and effective cost per million tokens, per engine"))
     return written
 

@@ -17,6 +17,7 @@ from nowait.planner import cost
 from nowait.planner.engines import ENGINES, request_seconds
 from nowait.planner.plan import Plan, WorkloadPlan, batch_ladder, nodes_at_rates
 from nowait.planner.roofline import forward_time, ridge_intensity
+from nowait.plots import finish_figure, label_axis, pyplot, save_figure
 
 ENGINE_LABELS = {"ar": "AR", "spec": "AR + speculative", "diffusion": "diffusion"}
 ENGINE_COLORS = {"ar": "#1f77b4", "spec": "#2ca02c", "diffusion": "#d62728"}
@@ -83,15 +84,6 @@ def findings(plan: Plan) -> list[str]:
 # --- plots -----------------------------------------------------------------------------------------------
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _plain_log_ticks(axis) -> None:
     """Log-scaled axis labelled 2, 5, 10 rather than 2x10^0, 5x10^0, 10^1."""
     from matplotlib.ticker import FormatStrFormatter, NullFormatter
@@ -101,14 +93,13 @@ def _plain_log_ticks(axis) -> None:
 
 
 def _subplots(count: int, title: str):
-    plt = _pyplot()
-    figure, axes = plt.subplots(1, count, figsize=(5.2 * count, 4.2), squeeze=False)
+    figure, axes = pyplot().subplots(1, count, figsize=(5.2 * count, 4.2), squeeze=False)
     figure.suptitle(title)
-    return plt, figure, list(axes[0])
+    return figure, list(axes[0])
 
 
 def plot_cost_vs_utilization(plan: Plan, path: Path) -> None:
-    plt, figure, axes = _subplots(len(plan.workloads), "Cost per million output tokens vs utilization")
+    figure, axes = _subplots(len(plan.workloads), "Cost per million output tokens vs utilization")
     utilization = np.linspace(0.02, 1.0, 100)
     for axis, w in zip(axes, plan.workloads, strict=True):
         for name, e in w.engines.items():
@@ -125,18 +116,13 @@ def plot_cost_vs_utilization(plan: Plan, path: Path) -> None:
             axis.axhline(quote.usd_per_mtok, linestyle=style, color="gray", linewidth=1)
             axis.annotate(label, (1.0, quote.usd_per_mtok), fontsize=7, ha="right", va="bottom", color="dimgray")
         axis.set_yscale("log")
-        axis.set_xlabel("utilization")
-        axis.set_ylabel("$ per million output tokens")
-        axis.set_title(w.workload.name, fontsize=10)
-        axis.grid(True, which="both", alpha=0.3)
-        axis.legend(fontsize=7, loc="upper right")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+        label_axis(axis, "utilization", "$ per million output tokens", w.workload.name, title_size=10,
+                   grid_which="both", legend_size=7, legend_loc="upper right")
+    save_figure(figure, path)
 
 
 def plot_nodes_vs_rate(plan: Plan, path: Path, sweeps: dict[str, dict[str, list[int | None]]]) -> None:
-    plt, figure, axes = _subplots(len(plan.workloads), "Nodes to hold the p99 target vs arrival rate")
+    figure, axes = _subplots(len(plan.workloads), "Nodes to hold the p99 target vs arrival rate")
     for axis, w in zip(axes, plan.workloads, strict=True):
         rates = [w.workload.rate_per_s * m for m in RATE_MULTIPLIERS]
         for name, nodes in sweeps[w.workload.name].items():
@@ -150,18 +136,13 @@ def plot_nodes_vs_rate(plan: Plan, path: Path, sweeps: dict[str, dict[str, list[
         _plain_log_ticks(axis.xaxis)
         axis.set_ylim(bottom=0)
         axis.yaxis.get_major_locator().set_params(integer=True)
-        axis.set_xlabel("arrivals per second")
-        axis.set_ylabel("nodes")
-        axis.set_title(f"{w.workload.name} (p99 <= {w.workload.p99_latency_s:g} s)", fontsize=10)
-        axis.grid(True, which="both", alpha=0.3)
-        axis.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+        label_axis(axis, "arrivals per second", "nodes", f"{w.workload.name} (p99 <= {w.workload.p99_latency_s:g} s)",
+                   title_size=10, grid_which="both", legend_size=7)
+    save_figure(figure, path)
 
 
 def plot_latency_vs_batch(plan: Plan, path: Path) -> None:
-    plt, figure, axes = _subplots(len(plan.workloads), "Latency of a mean request in a full batch vs batch size")
+    figure, axes = _subplots(len(plan.workloads), "Latency of a mean request in a full batch vs batch size")
     for axis, w in zip(axes, plan.workloads, strict=True):
         for name in ENGINES:
             fleet = plan.fleets[name]
@@ -173,14 +154,9 @@ def plot_latency_vs_batch(plan: Plan, path: Path) -> None:
         axis.set_xscale("log", base=2)
         axis.set_yscale("log")
         _plain_log_ticks(axis.xaxis)
-        axis.set_xlabel("batch size")
-        axis.set_ylabel("seconds, arrival to last token (no queueing)")
-        axis.set_title(w.workload.name, fontsize=10)
-        axis.grid(True, which="both", alpha=0.3)
-        axis.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+        label_axis(axis, "batch size", "seconds, arrival to last token (no queueing)", w.workload.name,
+                   title_size=10, grid_which="both", legend_size=7)
+    save_figure(figure, path)
 
 
 def operating_points(plan: Plan, w: WorkloadPlan) -> list[tuple[str, str, float, float]]:
@@ -206,8 +182,7 @@ def plot_roofline(plan: Plan, path: Path) -> None:
     s = plan.scenario
     peak = s.accelerator.peak_flops(s.dtype)
     bandwidth = s.accelerator.memory_bandwidth
-    plt = _pyplot()
-    figure, axis = plt.subplots(figsize=(7.5, 5))
+    figure, axis = pyplot().subplots(figsize=(7.5, 5))
     intensity = np.logspace(-0.5, 4, 200)
     axis.plot(intensity, np.minimum(peak, bandwidth * intensity) / 1e12, color="black", label="roofline (datasheet)")
     e = s.efficiency
@@ -226,14 +201,10 @@ def plot_roofline(plan: Plan, path: Path) -> None:
                       fontsize=7, xytext=(4, -10), textcoords="offset points")
     axis.set_xscale("log")
     axis.set_yscale("log")
-    axis.set_xlabel("arithmetic intensity (FLOP per byte moved)")
-    axis.set_ylabel(f"TFLOP/s per {s.accelerator.name} ({s.dtype})")
-    axis.set_title(f"Roofline of {s.accelerator.name}: each engine's forward for {focus.workload.name}", fontsize=10)
-    axis.grid(True, which="both", alpha=0.3)
-    axis.legend(fontsize=8, loc="lower right")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    finish_figure(figure, axis, path, "arithmetic intensity (FLOP per byte moved)",
+                  f"TFLOP/s per {s.accelerator.name} ({s.dtype})",
+                  f"Roofline of {s.accelerator.name}: each engine's forward for {focus.workload.name}", title_size=10,
+                  grid_which="both", legend_loc="lower right")
 
 
 # --- markdown --------------------------------------------------------------------------------------------
