@@ -138,7 +138,8 @@ def describe_decoding(engine: str, options: DiffusionOptions | None, structured:
     o = options or DiffusionOptions()
     rule = {"fixed": f"fixed {'1 token' if o.steps is None else f'{o.steps} steps'} per "
                      f"{'step' if o.steps is None else 'block'} (LLaDA)",
-            "threshold": f"threshold tau={o.tau} (Fast-dLLM)", "factor": f"factor {o.factor} (Fast-dLLM)"}[o.policy]
+            "threshold": f"threshold tau={o.template_tau if structured else o.tau} (Fast-dLLM)",
+            "factor": f"factor {o.factor} (Fast-dLLM)"}[o.policy]
     block = o.template_block if structured else o.block
     return (f"{rule}, score {o.score}, block {block or 'whole window'}, cache {o.cache}, "
             + ("schema template" if structured else f"free-form window {ANSWER_WINDOW}"))
@@ -162,9 +163,11 @@ def diffusion_options(policy: str | None = None, tau: float | None = None, block
     """The engine defaults with the given settings replaced (a given block applies to both
     free-form and template mode). Raises InvalidRequestError (a ValueError) if invalid."""
     o = base or DiffusionOptions()
-    changes = {k: v for k, v in {"policy": policy, "tau": tau, "cache": cache}.items() if v is not None}
+    changes = {k: v for k, v in {"policy": policy, "cache": cache}.items() if v is not None}
     if block is not None:
         changes.update(block=block, template_block=block)
+    if tau is not None:
+        changes.update(tau=tau, template_tau=tau)
     o = replace(o, **changes)
     o.validate()
     return o
@@ -183,7 +186,8 @@ def run_eval(model: Transformer, codec: TextCodec, engine: str, n: int, split: s
                 "batch_size": batch_size, "structured": structured,
                 "decoding": describe_decoding(engine, options, structured)}
     if options is not None:
-        settings.update(policy=options.policy, tau=options.tau, block=options.template_block if structured
+        settings.update(policy=options.policy, tau=options.template_tau if structured else options.tau,
+                        block=options.template_block if structured
                         else options.block, cache=options.cache, score=options.score)
     return {**result, "settings": settings}
 
