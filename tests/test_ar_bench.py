@@ -86,3 +86,21 @@ def test_measure_batching_compares_batched_and_sequential(codec, model):
         for mode in ("batched", "sequential"):
             assert 0 < r["prefill_s"][mode] + r["decode_s"][mode] <= r[f"{mode}_s"] + 1e-3
         assert r["decode_s"]["sequential"] > 0 and r["decode_speedup"] > 0
+
+
+@pytest.mark.parametrize("structured", [False, True])
+def test_measure_batching_runs_a_diffusion_checkpoint_through_its_own_engine(codec, structured):
+    diffusion = build_model(2, vocab_size=codec.vocab_size, causal=False, mask_token_id=codec.mask_id,
+                            max_position=1024)
+    results = measure_batching(diffusion, codec, documents("test", 3), concurrency=(1, 3),
+                               max_tokens=512 if structured else 32, structured=structured)
+    assert [r["concurrency"] for r in results] == [1, 3]
+    for r in results:
+        assert r["batched_tokens_per_s"] > 0 and r["sequential_tokens_per_s"] > 0
+        assert r["outputs_identical"]  # requests decoded together equal each one alone
+        assert "decode_speedup" not in r  # the prefill/decode split is the AR engine's
+
+
+def test_measure_batching_refuses_structured_ar(codec, model):
+    with pytest.raises(ValueError, match="diffusion"):
+        measure_batching(model, codec, documents("test", 2), concurrency=(1,), max_tokens=4, structured=True)

@@ -1,9 +1,11 @@
 """`nowait bench batching`: continuous batching against one-at-a-time decoding, same requests.
 
-For each concurrency C the first C test documents are decoded twice by the same AR engine:
-all C submitted at once (continuous batching), then one after another. Output tokens per
-second of each, and whether the greedy outputs are identical, are printed from one run. The
-numbers are measurements, never assertions.
+For each concurrency C the first C test documents are decoded twice by the same engine: all C
+submitted at once, then one after another. Output tokens per second of each, and whether the
+greedy outputs are identical, are printed from one run. The engine is the checkpoint's kind: AR
+(continuous batching) or diffusion (requests decoded together, joining at block boundaries; the
+engine's fast default, free-form, or schema templates with `--structured`). The numbers are
+measurements, never assertions.
 """
 
 from __future__ import annotations
@@ -25,45 +27,66 @@ DEFAULT_CONCURRENCY = (1, 4, 16, 64)
 ANSWER_TOKENS = 160  # nowait.evaluation.ANSWER_WINDOW, the eval's answer budget
 
 
-def _requests(prompts: list[list[int]], max_tokens: int) -> list:
+def _requests(prompts: list[list[int]], max_tokens: int, schemas: list[dict | None] | None = None) -> list:
     from nowait.engines.base import GenerationRequest, SamplingParams
 
-    return [GenerationRequest(p, SamplingParams(max_tokens=max_tokens)) for p in prompts]
+    schemas = schemas or [None] * len(prompts)
+    return [GenerationRequest(p, SamplingParams(max_tokens=max_tokens), schema=schema)
+            for p, schema in zip(prompts, schemas, strict=True)]
 
 
-def measure_batching(model: Transformer, codec: TextCodec, docs: list[Document],
-                     concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, max_tokens: int = ANSWER_TOKENS,
-                     max_num_batched_tokens: int = 4096) -> list[dict]:
-    """One result per concurrency: batched and sequential output tokens/s, identical outputs."""
+def _engine(model: Transformer, codec: TextCodec, prompts: list[list[int]], concurrency: tuple[int, ...],
+            max_tokens: int, max_num_batched_tokens: int):
+    """The checkpoint's kind of engine, sized for these requests."""
+    if not model.config.causal:
+        from nowait.engines.diffusion_engine import DiffusionEngine
+
+        return DiffusionEngine(model, codec, max_batch=max(concurrency))
     from nowait.engines.autoregressive import AutoregressiveEngine, EngineConfig
-    from nowait.tokenizer import extraction_prompt
 
-    if max(concurrency) > len(docs):
-        raise ValueError(f"concurrency {max(concurrency)} needs at least that many documents, got {len(docs)}")
-    prompts = [codec.encode(extraction_prompt(d.kind, d.text)) for d in docs]
     # Rows sized for these requests, not for the model's longest context: memory is rows x length.
     max_model_len = min(model.config.max_position, max(len(p) for p in prompts) + max_tokens + 1)
     config = EngineConfig(max_num_seqs=max(concurrency), max_num_batched_tokens=max(max_num_batched_tokens,
                                                                                      max(concurrency)),
                           max_model_len=max_model_len)
-    engine = AutoregressiveEngine(model, codec, config)
-    engine.generate(_requests(prompts[:2], 4))  # warm-up: first-call allocations stay out of the numbers
+    return AutoregressiveEngine(model, codec, config)
+
+
+def measure_batching(model: Transformer, codec: TextCodec, docs: list[Document],
+                     concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, max_tokens: int = ANSWER_TOKENS,
+                     max_num_batched_tokens: int = 4096, structured: bool = False) -> list[dict]:
+    """One result per concurrency: batched and sequential output tokens/s, identical outputs.
+    `structured` (diffusion): each request fills its kind's schema template."""
+    from nowait.extraction.corpus import schema_for
+    from nowait.tokenizer import extraction_prompt
+
+    if max(concurrency) > len(docs):
+        raise ValueError(f"concurrency {max(concurrency)} needs at least that many documents, got {len(docs)}")
+    if structured and model.config.causal:
+        raise ValueError("--structured applies to a diffusion model (AR batching is measured free-form)")
+    prompts = [codec.encode(extraction_prompt(d.kind, d.text)) for d in docs]
+    schemas = [schema_for(d.kind) if structured else None for d in docs]
+    engine = _engine(model, codec, prompts, concurrency, max_tokens, max_num_batched_tokens)
+    # Warm-up: first-call allocations stay out of the numbers (a template needs its whole width).
+    engine.generate(_requests(prompts[:2], max_tokens if structured else 4, schemas[:2]))
+    phases = getattr(engine, "step_seconds", None)  # AR: forward time by step kind
     results = []
     for c in concurrency:
-        before = dict(engine.step_seconds)
+        before = dict(phases or {})
         started = time.perf_counter()
-        batched = engine.generate(_requests(prompts[:c], max_tokens))
+        batched = engine.generate(_requests(prompts[:c], max_tokens, schemas[:c]))
         batched_s = time.perf_counter() - started
-        batched_phases = {k: engine.step_seconds[k] - before[k] for k in before}
-        before = dict(engine.step_seconds)
+        batched_phases = {k: phases[k] - before[k] for k in before}
+        before = dict(phases or {})
         started = time.perf_counter()
-        sequential = [engine.generate(_requests([p], max_tokens))[0] for p in prompts[:c]]
+        sequential = [engine.generate(_requests([p], max_tokens, [schema]))[0]
+                      for p, schema in zip(prompts[:c], schemas[:c], strict=True)]
         sequential_s = time.perf_counter() - started
-        sequential_phases = {k: engine.step_seconds[k] - before[k] for k in before}
+        sequential_phases = {k: phases[k] - before[k] for k in before}
         tokens = sum(x.completion_tokens for x in batched)
         # Prefill is compute-bound already for one prompt, so batching cannot shrink it; the decode
         # phase is where batching pays, and its own ratio shows how much.
-        results.append({
+        result = {
             "concurrency": c,
             "batched_tokens_per_s": round(tokens / batched_s, 1),
             "sequential_tokens_per_s": round(sum(x.completion_tokens for x in sequential) / sequential_s, 1),
@@ -72,20 +95,27 @@ def measure_batching(model: Transformer, codec: TextCodec, docs: list[Document],
             "output_tokens": tokens,
             "batched_s": round(batched_s, 3),
             "sequential_s": round(sequential_s, 3),
-            "prefill_s": {"batched": round(batched_phases["prefill"], 3),
-                          "sequential": round(sequential_phases["prefill"], 3)},
-            "decode_s": {"batched": round(batched_phases["decode"], 3),
-                         "sequential": round(sequential_phases["decode"], 3)},
-            "decode_speedup": round(sequential_phases["decode"] / max(batched_phases["decode"], 1e-9), 2),
-        })
+        }
+        if phases is not None:
+            result.update({
+                "prefill_s": {"batched": round(batched_phases["prefill"], 3),
+                              "sequential": round(sequential_phases["prefill"], 3)},
+                "decode_s": {"batched": round(batched_phases["decode"], 3),
+                             "sequential": round(sequential_phases["decode"], 3)},
+                "decode_speedup": round(sequential_phases["decode"] / max(batched_phases["decode"], 1e-9), 2),
+            })
+        results.append(result)
     return results
 
 
 @bench_app.command("batching")
 def batching(
     concurrency: str = typer.Option("1,4,16,64", help="comma-separated concurrencies, measured in one run"),
-    model: str = typer.Option("ar", help="AR checkpoint directory (default: the bundled AR model)"),
-    max_tokens: int = typer.Option(ANSWER_TOKENS, help="output tokens at most per request"),
+    model: str = typer.Option("ar", help="checkpoint directory or bundled model (ar, diffusion); its kind picks the "
+                                         "engine"),
+    structured: bool = typer.Option(False, "--structured", help="diffusion: fill each kind's schema template"),
+    max_tokens: int = typer.Option(None, help="output tokens at most per request (default: 160 free-form, 512 "
+                                              "with --structured, the eval's budgets)"),
     max_num_batched_tokens: int = typer.Option(4096, help="token positions per forward, padding included"),
     threads: int = typer.Option(None, help="CPU threads (default: torch's choice)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
@@ -112,17 +142,26 @@ def batching(
     except CheckpointError as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(code=2) from None
-    if not loaded.model.config.causal:
-        typer.echo("error: batching is measured on an AR (causal) model", err=True)
-        raise typer.Exit(code=2)
+    if max_tokens is None:
+        from nowait.evaluation import TEMPLATE_MAX_TOKENS
+
+        max_tokens = TEMPLATE_MAX_TOKENS if structured else ANSWER_TOKENS
     docs = documents("test", max(levels))
-    results = measure_batching(loaded.model, loaded.codec, docs, levels, max_tokens, max_num_batched_tokens)
+    try:
+        results = measure_batching(loaded.model, loaded.codec, docs, levels, max_tokens, max_num_batched_tokens,
+                                   structured)
+    except ValueError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(code=2) from None
+    engine = "ar" if loaded.model.config.causal else "diffusion"
     if as_json:
-        print(json.dumps({"results": results, "settings": {"model": str(loaded.path), "max_tokens": max_tokens,
+        print(json.dumps({"results": results, "settings": {"model": str(loaded.path), "engine": engine,
+                                                           "structured": structured, "max_tokens": max_tokens,
                                                            "threads": torch.get_num_threads()}}))
         return
     for r in results:
-        typer.echo(f"concurrency {r['concurrency']:>3}: batched {r['batched_tokens_per_s']:>8.1f} tok/s, "
-                   f"one at a time {r['sequential_tokens_per_s']:>8.1f} tok/s ({r['speedup']}x; decode phase "
-                   f"{r['decode_speedup']}x, prefill {r['prefill_s']['sequential']:.2f} s of "
-                   f"{r['sequential_s']:.2f} s one at a time), outputs identical: {r['outputs_identical']}")
+        phases = (f"; decode phase {r['decode_speedup']}x, prefill {r['prefill_s']['sequential']:.2f} s of "
+                  f"{r['sequential_s']:.2f} s one at a time" if "decode_speedup" in r else "")
+        typer.echo(f"{engine} concurrency {r['concurrency']:>3}: batched {r['batched_tokens_per_s']:>8.1f} tok/s, "
+                   f"one at a time {r['sequential_tokens_per_s']:>8.1f} tok/s ({r['speedup']}x{phases}), "
+                   f"outputs identical: {r['outputs_identical']}")
