@@ -133,7 +133,9 @@ def test_scoreboard_comparison_and_live_view_on_hand_made_answers():
                   'nowait:generation_tokens_total{engine="diffusion"} 40.0\n', engines)
     assert engines["ar"].utilization == 0.25 and engines["ar"].usd_per_mtok is None
     assert engines["diffusion"].output_tokens == 40
-    board.snapshots.append(Snapshot(1.0, engines))
+    board.snapshots.append(Snapshot(1.0, engines, routing={
+        "confidence_threshold": 0.277, "confidence_threshold_source": "/m/diffusion/calibration.json",
+        "fallback_engine": "ar"}))
     for e2e in (0.1, 0.12, 0.14):
         board.add(REALTIME, answer(REALTIME, "diffusion", e2e))
     board.add(REALTIME, answer(REALTIME, "ar", 0.5, fallback=True))
@@ -148,3 +150,4 @@ def test_scoreboard_comparison_and_live_view_on_hand_made_answers():
     console.print(live_view(board, DemoPlan(duration_s=10)))
     screen = console.export_text()
     assert "25% re-ran on AR" in screen and "p50 120 ms for the answers it kept" in screen and "3.3x" in screen
+    assert "below confidence 0.277 (calibrated by `nowait calibrate`) re-run on ar" in screen

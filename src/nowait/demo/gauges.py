@@ -51,6 +51,7 @@ class EngineGauges:
 class Snapshot:
     at_s: float
     engines: dict[str, EngineGauges] = field(default_factory=dict)
+    routing: dict = field(default_factory=dict)  # /readyz's: the fallback threshold and its source
 
 
 def parse_metrics(text: str, engines: dict[str, EngineGauges]) -> None:
@@ -70,6 +71,7 @@ async def scrape(client: httpx.AsyncClient, root_url: str, at_s: float) -> Snaps
     """One look at the gateway: availability from /readyz, the economics from /metrics."""
     snapshot = Snapshot(at_s)
     ready = await client.get(f"{root_url}/readyz", timeout=10.0)
+    snapshot.routing = ready.json().get("routing") or {}
     for name, engine in (ready.json().get("engines") or {}).items():
         snapshot.engines[name] = EngineGauges(name, kind=engine.get("kind", ""), available=bool(engine["available"]),
                                               reason=engine.get("reason"))

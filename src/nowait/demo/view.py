@@ -40,6 +40,12 @@ def availability(board: Scoreboard) -> Text:
         else:
             parts.append(Text(f"{name} ({g.kind}) NOT AVAILABLE", style="bold yellow"))
     text += Text(", ").join(parts)
+    threshold = snapshot.routing.get("confidence_threshold")
+    if threshold is not None:
+        source = str(snapshot.routing.get("confidence_threshold_source", ""))
+        origin = "calibrated by `nowait calibrate`" if source.endswith("calibration.json") else source
+        text += Text(f"; diffusion answers below confidence {threshold:.3g} ({origin}) re-run on "
+                     f"{snapshot.routing.get('fallback_engine', 'ar')}", style="dim")
     for name, g in snapshot.engines.items():
         if not g.available and g.kind == "diffusion":
             text += Text(f"\n  {name}: {g.reason or 'unavailable'}\n  -> latency-bound real-time work is routed to "
