@@ -104,13 +104,15 @@ class ForwardCost:
 class KVCache:
     """Keys and values of every layer for a batch of sequences of different lengths.
 
-    Stored as [batch, slots, kv_heads, head_dim]; `lengths[b]` counts the valid slots of row b.
+    Stored head-major, [batch, kv_heads, slots, head_dim], so the keys attention reads for a row
+    and a head are one contiguous run: a batched decode step multiplies against slices of the
+    cache in place instead of copying them. `lengths[b]` counts the valid slots of row b.
     Rolling back (speculative decoding) is lowering `lengths`; nothing is cleared.
     """
 
     def __init__(self, config: ModelConfig, batch: int, max_tokens: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        shape = (batch, max_tokens, config.num_kv_heads, config.head_dim)
+        shape = (batch, config.num_kv_heads, max_tokens, config.head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
@@ -182,6 +184,23 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
+def grouped_decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """One new token per row over its cached keys: q [B, 1, H, D], k and v [B, kv_heads, S, D]
+    (slices of the cache), mask [B, 1, 1, S] -> [B, 1, H, D].
+
+    The query heads that share a key head are stacked as rows of one matrix product, so the
+    cache is read where it lies; scaled_dot_product_attention with a mask and grouped heads
+    copies the keys and values per query head first, which at 64 rows was most of a step.
+    """
+    batch, _, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim)
+    scores = torch.matmul(grouped, k.transpose(-1, -2)) * dim**-0.5  # [B, kv_heads, group, S]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    out = torch.matmul(scores.softmax(-1), v)  # [B, kv_heads, group, D]
+    return out.reshape(batch, 1, heads, dim)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -200,27 +219,31 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(batch, length, c.num_kv_heads, c.head_dim)
         v = self.v_proj(x).view(batch, length, c.num_kv_heads, c.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, kv_heads, L, D], the cache's layout
         if cache is not None:
+            keys, values = cache.keys[layer], cache.values[layer]
             if isinstance(write_positions, slice):  # one row: a contiguous write, no scatter
-                cache.keys[layer][:, write_positions] = k.to(cache.keys[layer].dtype)
-                cache.values[layer][:, write_positions] = v.to(cache.values[layer].dtype)
-                k = cache.keys[layer][:, :key_slots].to(q.dtype)
-                v = cache.values[layer][:, :key_slots].to(q.dtype)
+                keys[:, :, write_positions] = k.to(keys.dtype)
+                values[:, :, write_positions] = v.to(values.dtype)
+                k, v = keys[:, :, :key_slots].to(q.dtype), values[:, :, :key_slots].to(q.dtype)
             elif write_positions is not None:
                 rows = torch.arange(batch, device=x.device)[:, None].expand_as(write_positions)
-                cache.keys[layer][rows, write_positions] = k.to(cache.keys[layer].dtype)
-                cache.values[layer][rows, write_positions] = v.to(cache.values[layer].dtype)
-                k = cache.keys[layer][:, :key_slots].to(q.dtype)
-                v = cache.values[layer][:, :key_slots].to(q.dtype)
+                # Advanced indices around a slice put their dimensions first: [B, L, kv_heads, D].
+                keys[rows, :, write_positions] = k.transpose(1, 2).to(keys.dtype)
+                values[rows, :, write_positions] = v.transpose(1, 2).to(values.dtype)
+                k, v = keys[:, :, :key_slots].to(q.dtype), values[:, :, :key_slots].to(q.dtype)
             else:  # read the prefix, keep the new keys out of the cache
-                k = torch.cat([cache.keys[layer][:, :key_slots].to(q.dtype), k], dim=1)
-                v = torch.cat([cache.values[layer][:, :key_slots].to(q.dtype), v], dim=1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=mask, is_causal=mask is None and c.causal and cache is None,
-            enable_gqa=c.num_kv_heads != c.num_heads,
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+                k = torch.cat([keys[:, :, :key_slots].to(q.dtype), k], dim=2)
+                v = torch.cat([values[:, :, :key_slots].to(q.dtype), v], dim=2)
+        if length == 1 and mask is not None:
+            out = grouped_decode_attention(q, k, v, mask)
+        else:
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k, v,
+                attn_mask=mask, is_causal=mask is None and c.causal and cache is None,
+                enable_gqa=c.num_kv_heads != c.num_heads,
+            ).transpose(1, 2)
+        return self.o_proj(out.reshape(batch, length, -1))
 
 
 class MLP(nn.Module):

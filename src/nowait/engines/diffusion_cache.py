@@ -68,8 +68,8 @@ def take_rows(model: Transformer, cache: KVCache, rows: list[int], slots: int, c
     part = empty_cache(model, len(rows), capacity)
     index = torch.tensor(rows, device=cache.lengths.device)
     for layer in range(len(cache.keys)):
-        part.keys[layer][:, :slots] = cache.keys[layer][index, :slots]
-        part.values[layer][:, :slots] = cache.values[layer][index, :slots]
+        part.keys[layer][:, :, :slots] = cache.keys[layer][index, :, :slots]
+        part.values[layer][:, :, :slots] = cache.values[layer][index, :, :slots]
     part.lengths = cache.lengths[index].clone()
     return part
 
@@ -78,8 +78,8 @@ def put_rows(cache: KVCache, rows: list[int], part: KVCache, slots: int) -> None
     """Copy the first `slots` slots of `part`'s rows back into `cache` rows `rows`."""
     index = torch.tensor(rows, device=cache.lengths.device)
     for layer in range(len(cache.keys)):
-        cache.keys[layer][index, :slots] = part.keys[layer][:, :slots]
-        cache.values[layer][index, :slots] = part.values[layer][:, :slots]
+        cache.keys[layer][index, :, :slots] = part.keys[layer][:, :, :slots]
+        cache.values[layer][index, :, :slots] = part.values[layer][:, :, :slots]
     cache.lengths[index] = part.lengths
 
 
@@ -91,8 +91,8 @@ def stack_caches(model: Transformer, first: KVCache | None, second: KVCache, cap
     for part in parts:
         used = min(capacity, int(part.lengths.max()))
         for layer in range(len(out.keys)):
-            out.keys[layer][at: at + part.batch, :used] = part.keys[layer][:, :used]
-            out.values[layer][at: at + part.batch, :used] = part.values[layer][:, :used]
+            out.keys[layer][at: at + part.batch, :, :used] = part.keys[layer][:, :, :used]
+            out.values[layer][at: at + part.batch, :, :used] = part.values[layer][:, :, :used]
         at += part.batch
     out.lengths = torch.cat([p.lengths for p in parts])
     return out
@@ -109,5 +109,5 @@ def cut_slots(cache: KVCache, row: int, start: int, stop: int, length: int) -> N
     for layer in range(len(cache.keys)):
         for store in (cache.keys[layer], cache.values[layer]):
             if tail > 0:
-                store[row, start: start + tail] = store[row, stop: length].clone()
+                store[row, :, start: start + tail] = store[row, :, stop: length].clone()
     cache.lengths[row] = start + max(tail, 0)

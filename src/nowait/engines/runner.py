@@ -87,8 +87,8 @@ class CachePool:
             for cache in self.caches:
                 length = int(cache.lengths[last])
                 for keys, values in zip(cache.keys, cache.values, strict=True):
-                    keys[hole, :length] = keys[last, :length]
-                    values[hole, :length] = values[last, :length]
+                    keys[hole, :, :length] = keys[last, :, :length]
+                    values[hole, :, :length] = values[last, :, :length]
                 cache.lengths[hole] = length
             self.owners[hole] = moved
             moved.row = hole
@@ -150,8 +150,8 @@ class ModelRunner:
         for i, (seq, start) in enumerate(zip(seqs, starts, strict=True)):
             if start:
                 for layer in range(config.num_layers):
-                    temp.keys[layer][i, :start] = self.cache.keys[layer][seq.row, :start]
-                    temp.values[layer][i, :start] = self.cache.values[layer][seq.row, :start]
+                    temp.keys[layer][i, :, :start] = self.cache.keys[layer][seq.row, :, :start]
+                    temp.values[layer][i, :, :start] = self.cache.values[layer][seq.row, :, :start]
             temp.lengths[i] = start
         ids = torch.full((batch, width), self.pad_id, dtype=torch.long)
         for i, chunk in enumerate(tokens):
@@ -161,8 +161,8 @@ class ModelRunner:
         for i, (seq, start, length) in enumerate(zip(seqs, starts, lengths, strict=True)):
             end = start + length
             for layer in range(config.num_layers):
-                self.cache.keys[layer][seq.row, start:end] = temp.keys[layer][i, start:end]
-                self.cache.values[layer][seq.row, start:end] = temp.values[layer][i, start:end]
+                self.cache.keys[layer][seq.row, :, start:end] = temp.keys[layer][i, :, start:end]
+                self.cache.values[layer][seq.row, :, start:end] = temp.values[layer][i, :, start:end]
             self.cache.lengths[seq.row] = end
         return logits[:, 0]
 
