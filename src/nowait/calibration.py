@@ -62,12 +62,14 @@ def acceptance_curve(answers: Sequence[ScoredAnswer]) -> list[tuple[float, float
     return curve
 
 
-def choose_threshold(answers: Sequence[ScoredAnswer], target_field_accuracy: float) -> ThresholdChoice:
+def choose_threshold(answers: Sequence[ScoredAnswer], target_field_accuracy: float,
+                     curve: list[tuple[float, float, float]] | None = None) -> ThresholdChoice:
     """The lowest threshold whose kept answers reach the target field accuracy (as many requests
-    as possible stay on the fast engine); above every confidence when none does."""
+    as possible stay on the fast engine); above every confidence when none does. `curve`: the
+    answers' `acceptance_curve`, if the caller already has it."""
     if not answers:
         raise ValueError("calibration needs at least one scored answer")
-    curve = acceptance_curve(answers)
+    curve = curve or acceptance_curve(answers)
     passing = [point for point in curve if point[2] >= target_field_accuracy]
     if passing:
         threshold, acceptance, accepted_accuracy = min(passing, key=lambda point: point[0])
@@ -122,8 +124,8 @@ def calibrate(diffusion_model, ar_model, codec, n: int = 200, split: str = "vali
         if ar_accuracy is None:
             raise ValueError("give a target field accuracy, or an AR model to take it from")
         target_field_accuracy = ar_accuracy
-    choice = choose_threshold(answers, target_field_accuracy)
     curve = acceptance_curve(answers)
+    choice = choose_threshold(answers, target_field_accuracy, curve)
     return {"confidence_threshold": choice.threshold, **{k: v for k, v in asdict(choice).items() if k != "threshold"},
             "ar_field_accuracy": ar_accuracy, "n": n, "split": split, "structured": structured,
             "confidence_kind": "min_token_probability",

@@ -271,7 +271,7 @@ def calibrate(
         check_engine(ar.model, "ar")
     except ValueError as error:
         fail(str(error))
-    if ar.codec.tokenizer.get_vocab(True) != diffusion.codec.tokenizer.get_vocab(True):
+    if not ar.codec.same_ids_as(diffusion.codec):
         fail(f"{ar.path} and {diffusion.path} have different tokenizers; calibrate against the AR model that serves "
              "the fallback")
     columns = [TextColumn("[bold]calibrate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

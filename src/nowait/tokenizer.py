@@ -88,6 +88,10 @@ class TextCodec:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size()
 
+    def same_ids_as(self, other: TextCodec) -> bool:
+        """Both tokenizers map every token to the same id (models trained on either can share ids)."""
+        return self.tokenizer.get_vocab(True) == other.tokenizer.get_vocab(True)
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 

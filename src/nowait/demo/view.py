@@ -11,6 +11,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from nowait.calibration import CALIBRATION_FILE
 from nowait.demo.economics import EngineTotals
 from nowait.demo.gauges import EngineGauges
 from nowait.demo.plan import BATCH, ROUTE_TITLES, DemoPlan
@@ -43,7 +44,7 @@ def availability(board: Scoreboard) -> Text:
     threshold = snapshot.routing.get("confidence_threshold")
     if threshold is not None:
         source = str(snapshot.routing.get("confidence_threshold_source", ""))
-        origin = "calibrated by `nowait calibrate`" if source.endswith("calibration.json") else source
+        origin = "calibrated by `nowait calibrate`" if source.endswith(CALIBRATION_FILE) else source
         text += Text(f"; diffusion answers below confidence {threshold:.3g} ({origin}) re-run on "
                      f"{snapshot.routing.get('fallback_engine', 'ar')}", style="dim")
     for name, g in snapshot.engines.items():

@@ -211,8 +211,7 @@ def check_draft(target: Transformer, draft: Transformer, codec: TextCodec | None
             "speculative decoding needs the same tokenizer")
     if not draft.config.causal:
         raise IncompatibleDraftError("the draft model is bidirectional; it must be causal (AR)")
-    if codec is not None and draft_codec is not None and \
-            codec.tokenizer.get_vocab(True) != draft_codec.tokenizer.get_vocab(True):
+    if codec is not None and draft_codec is not None and not codec.same_ids_as(draft_codec):
         raise IncompatibleDraftError("the draft's tokenizer maps tokens to other ids than the target's")
 
 

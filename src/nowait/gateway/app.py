@@ -89,6 +89,8 @@ class Gateway:
         self.backends = backends
         available = {name for name, backend in backends.items() if backend.available}
         self.policy = restrict_to_available(config.routing_policy(), available)
+        # Where the fallback threshold came from (config, calibration file, default), read once.
+        self.threshold_source = config.confidence_threshold()[1]
         if config.routing.fast_engine and self.policy.fast_engine is None:
             log.warning("fast engine %r is not available: latency-bound requests go to %r",
                         config.routing.fast_engine, self.policy.batch_engine)
@@ -233,8 +235,8 @@ def create_app(config: GatewayConfig, backends: dict[str, Backend] | None = None
         engines = {name: {"kind": b.kind, "available": b.available, "reason": b.unavailable_reason or None,
                           "running": b.running(), "waiting": b.waiting()} for name, b in gateway.backends.items()}
         ready = gateway.ready()
-        threshold, source = gateway.config.confidence_threshold()
-        routing = {"confidence_threshold": threshold, "confidence_threshold_source": source,
+        routing = {"confidence_threshold": gateway.policy.confidence_threshold,
+                   "confidence_threshold_source": gateway.threshold_source,
                    "fallback_engine": gateway.config.routing.fallback_engine}
         return JSONResponse({"status": "ready" if ready else "not_ready", "engines": engines, "routing": routing},
                             status_code=200 if ready else 503)
