@@ -103,7 +103,7 @@ def test_ar_loss_ignores_padding_and_weights_document(codec):
 def test_diffusion_batch_masks_only_the_answer_window(codec):
     docs = documents("test", 3)
     window = 120
-    noisy, total, prompt_lengths, targets, masked, p_mask, _ = diffusion_batch(
+    noisy, total, prompt_lengths, targets, masked, p_mask, *_ = diffusion_batch(
         docs, codec, window, torch.Generator().manual_seed(1))
     assert targets.shape == masked.shape == (3, window)
     assert noisy.shape == (3, int(total.max()))
@@ -130,7 +130,7 @@ def test_diffusion_batch_masks_only_the_answer_window(codec):
 
 def test_diffusion_mask_rate_follows_t(codec):
     docs = documents("test", 1) * 8
-    _, _, _, _, masked, p_mask, _ = diffusion_batch(docs, codec, 400, torch.Generator().manual_seed(2))
+    _, _, _, _, masked, p_mask, *_ = diffusion_batch(docs, codec, 400, torch.Generator().manual_seed(2))
     assert (masked.float().mean(1) - p_mask).abs().max() < 0.12
     assert float(p_mask.max() - p_mask.min()) > 0.3  # one t per row, not one per batch
 

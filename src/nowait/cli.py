@@ -56,18 +56,37 @@ def train(
     seed: int = typer.Option(0),
     run_dir: Path = typer.Option(None, help="checkpoints and log (default runs/KIND)"),
     out: Path = typer.Option(None, help="exported model directory (default: the bundled assets)"),
-    init_from: Path = typer.Option(None, help="diffusion: start from this AR checkpoint (default: bundled ar)"),
+    init_from: Path = typer.Option(None, help="start from this checkpoint's weights (diffusion default: bundled "
+                                              "ar; to train a bundled model on, pass its own directory)"),
+    device: str = typer.Option("cpu", help="cpu, cuda or cuda:N"),
+    data_workers: int = typer.Option(0, help="processes building batches ahead of the optimizer (a GPU "
+                                             "needs several to stay busy)"),
+    minutes: float = typer.Option(None, help="time budget: the total steps are planned from the measured "
+                                             "rate so the learning rate still decays at the end (--steps "
+                                             "then caps them)"),
+    data_start: int = typer.Option(0, help="first training-document index of a new run (a run continuing "
+                                           "from --init-from should read documents it has not seen)"),
+    prompt_isolation: float = typer.Option(0.0, help="diffusion: share of rows whose prompt attends only to "
+                                                     "itself, as under the engine's prompt cache"),
 ) -> None:
     """Train a demo model (resumes from RUN_DIR/state.pt when present)."""
     from nowait.training import TrainSettings
     from nowait.training import train as run_training
 
     defaults = {"ar": (12000, 2e-3), "draft": (8000, 3e-3), "diffusion": (8000, 1e-3)}[kind.value]
+    if not 0.0 <= prompt_isolation <= 1.0:
+        fail(f"--prompt-isolation must be in [0, 1], got {prompt_isolation}")
+    if minutes is not None and minutes <= 0:
+        fail(f"--minutes must be positive, got {minutes}")
     settings = TrainSettings(
-        kind=kind.value, steps=steps or defaults[0], batch_size=batch_size,
+        kind=kind.value, steps=steps or (10**9 if minutes else defaults[0]), batch_size=batch_size,
         learning_rate=learning_rate or defaults[1], eval_every=eval_every,
-        eval_documents=eval_documents, threads=threads, seed=seed,
+        eval_documents=eval_documents, threads=threads, seed=seed, device=device, data_workers=data_workers,
+        minutes=minutes, data_start=data_start, prompt_isolation=prompt_isolation,
     )
+    if init_from:
+        settings.init_from = str(init_from)
+        settings.clean_steps = settings.curriculum_steps = 0  # the weights already read documents
     if kind is TrainKind.diffusion:
         settings.init_from = str(init_from or paths.model_dir("ar"))
         settings.clean_steps = settings.curriculum_steps = 0
@@ -76,7 +95,7 @@ def train(
     columns = [TextColumn("[bold]train " + kind.value), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TimeRemainingColumn()]
     with Progress(*columns, console=console, refresh_per_second=2) as progress:
-        task = progress.add_task("train", total=settings.steps, status="")
+        task = progress.add_task("train", total=None if minutes else settings.steps, status="")
         last: dict = {}
 
         def report(step: int, record: dict) -> None:
@@ -87,19 +106,19 @@ def train(
             status = f"answer loss {last.get('loss', float('nan')):.3f}"
             if "eval" in last:
                 status += f"  val field acc {last['eval']:.3f}"
-            progress.update(task, completed=step, status=status)
+            progress.update(task, completed=step, total=record.get("steps", settings.steps), status=status)
 
         result = run_training(settings, run_dir, out, paths.tokenizer_path(), progress=report)
     shutil.copy2(run_dir / "log.jsonl", Path(out) / "training_log.jsonl")
     console.print_json(json.dumps(result))
 
 
-def _load_model(model: str, engine: str):
+def _load_model(model: str, engine: str, device: str = "cpu"):
     """Load a bundled demo model by name or a checkpoint directory by path, or fail clearly."""
     from nowait.checkpoints import CheckpointError, load_pretrained
 
     try:
-        loaded = load_pretrained(paths.model_dir(model))
+        loaded = load_pretrained(paths.model_dir(model), device=device)
     except CheckpointError as error:
         fail(str(error))
     if loaded.codec.end_id is None:
@@ -131,6 +150,7 @@ def evaluate(
     draft: str = typer.Option(None, help="spec: draft checkpoint directory for methods hybrid and draft "
                                          "(default: the bundled draft)"),
     threads: int = typer.Option(None, help="CPU threads (default: torch's choice)"),
+    device: str = typer.Option("cpu", help="cpu, cuda or cuda:N (engines ar and diffusion)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Decode N held-out documents and score the JSON: accuracy, validity, forwards and latency."""
@@ -161,9 +181,11 @@ def evaluate(
             diffusion_options(policy, tau, block, cache)
         except ValueError as error:
             fail(str(error))
+    if device != "cpu" and (engine == "spec" or (structured and engine == "ar")):
+        fail("--device applies to plain ar and diffusion decoding; spec and structured ar run on the CPU")
     if threads:
         torch.set_num_threads(threads)
-    loaded = _load_model(model or ("ar" if engine == "spec" else engine), engine)
+    loaded = _load_model(model or ("ar" if engine == "spec" else engine), engine, device)
     try:
         check_engine(loaded.model, engine)
     except ValueError as error:
@@ -191,6 +213,7 @@ def evaluate(
         except ValueError as error:
             fail(str(error))
     result["settings"]["model"] = str(loaded.path)
+    result["settings"]["device"] = device
     if as_json:
         print(json.dumps(result))
         return

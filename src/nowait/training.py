@@ -10,14 +10,18 @@ DiffuLLaMA adapt AR models, so the copying circuits carry over.
 A curriculum ramps the corpus' `variety` from clean, pre-normalized documents (pure copying)
 to the full distribution, so the copying heads form before the normalizations are learned.
 Runs are resumable: the data stream is a function of its index, stored with the checkpoint.
+Batches are built by worker processes ahead of the optimizer (`data_workers`), each pool of
+batches a pure function of its first data index, so a GPU run is not starved by the CPU.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import random
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,7 +34,15 @@ from nowait.checkpoints import load_pretrained, save_pretrained
 from nowait.engines.diffusion import window_logits
 from nowait.engines.structured import Template, build_template, fill_template
 from nowait.evaluation import ANSWER_WINDOW, evaluate_model
-from nowait.extraction.corpus import KINDS, Document, documents, schema_for, training_stream
+from nowait.extraction.corpus import (
+    KINDS,
+    Document,
+    documents,
+    held_out_texts,
+    schema_for,
+    training_range,
+    training_stream,
+)
 from nowait.model import ModelConfig, Transformer
 from nowait.tokenizer import END, TextCodec, extraction_prompt, train_tokenizer
 
@@ -58,8 +70,13 @@ class TrainSettings:
     eval_every: int = 500
     eval_documents: int = 60
     threads: int = 2
-    init_from: str | None = None  # diffusion: a trained AR checkpoint directory
+    init_from: str | None = None  # start from these weights (diffusion: a trained AR checkpoint)
     template_fraction: float = 0.5  # diffusion: share of rows in the schema-template layout
+    prompt_isolation: float = 0.0  # diffusion: share of rows whose prompt attends only to itself
+    device: str = "cpu"
+    data_workers: int = 0  # processes building batches ahead of the optimizer (0: in this process)
+    minutes: float | None = None  # a time budget: `steps` is re-planned from the measured step rate
+    data_start: int = 0  # first data index of a new run (a continuation reads documents it never saw)
     model: dict = field(default_factory=dict)
 
 
@@ -84,6 +101,14 @@ def curriculum(settings: TrainSettings) -> Callable[[int], float]:
     clean = settings.clean_steps * settings.batch_size
     ramp = max(1, settings.curriculum_steps * settings.batch_size)
     return lambda index: min(1.0, max(0.0, (index - clean) / ramp))
+
+
+def planned_steps(step: int, steps_per_s: float, remaining_s: float) -> int:
+    """The total steps a time-budgeted run reaches: `step` now, then `steps_per_s` for the rest.
+
+    Warmup-stable-decay needs its total before the decay starts, so such a run re-plans
+    during the stable phase and keeps the plan once the decay has begun."""
+    return step + 1 + int(steps_per_s * max(0.0, remaining_s))
 
 
 # --- batches ---
@@ -129,16 +154,21 @@ class DiffusionBatch(NamedTuple):
     masked: torch.Tensor  # [B, W] positions replaced by the mask token
     p_mask: torch.Tensor  # [B] masking probability of each row
     maskable: torch.Tensor  # [B, W] positions the model must learn to fill
+    prompt_isolated: torch.Tensor  # [B] rows whose prompt attends only to itself (block-causal)
 
 
 def diffusion_batch(docs: list[Document], codec: TextCodec, window: int, generator: torch.Generator,
-                    templates: dict[str, Template] | None = None, template_fraction: float = 0.0) -> DiffusionBatch:
+                    templates: dict[str, Template] | None = None, template_fraction: float = 0.0,
+                    prompt_isolation: float = 0.0) -> DiffusionBatch:
     """Prompt + answer window; each fillable window position is masked with probability t.
 
     Free-form rows: the JSON, an end token, end padding to `window`; every position fillable.
     Template rows (a `template_fraction` of rows when `templates` are given): the kind's
     schema template with values in their slots; only slot positions are fillable, as in
     template infilling at inference.
+    Isolated rows (a `prompt_isolation` share): the prompt attends only to itself, as it does
+    when the engine computes the prompt's keys/values once; training on both patterns makes the
+    prompt cache a pattern the model knows instead of an approximation.
     """
     prompts, answers, fillable = [], [], []
     for doc in docs:
@@ -174,13 +204,29 @@ def diffusion_batch(docs: list[Document], codec: TextCodec, window: int, generat
     rows = torch.arange(len(docs))[:, None]
     noisy = tokens.clone()
     noisy[rows, positions] = torch.where(masked, torch.full_like(targets, codec.mask_id), tokens[rows, positions])
-    return DiffusionBatch(noisy, total, prompt_lengths, targets, masked, p_mask, maskable)
+    isolated = torch.rand(len(docs), generator=generator) < prompt_isolation
+    return DiffusionBatch(noisy, total, prompt_lengths, targets, masked, p_mask, maskable, isolated)
+
+
+def prompt_isolation_mask(prompt_lengths: torch.Tensor, valid_lengths: torch.Tensor, length: int,
+                          isolated: torch.Tensor) -> torch.Tensor:
+    """[B, T, T] (True = may attend): keys past each row's valid length are hidden; in isolated
+    rows the prompt's queries also skip the keys after the prompt (a block-causal prompt)."""
+    index = torch.arange(length, device=valid_lengths.device)
+    real_key = index[None, None, :] < valid_lengths[:, None, None]
+    prompt_query = index[None, :, None] < prompt_lengths[:, None, None]
+    later_key = index[None, None, :] >= prompt_lengths[:, None, None]
+    return real_key & ~(prompt_query & later_key & isolated[:, None, None])
 
 
 def diffusion_loss(model: Transformer, batch: DiffusionBatch) -> tuple[torch.Tensor, dict]:
     """LLaDA's objective: cross-entropy on masked positions weighted by 1/t, per fillable position."""
     width = batch.targets.shape[1]
-    logits = model(batch.noisy, valid_lengths=batch.total)
+    if bool(batch.prompt_isolated.any()):
+        mask = prompt_isolation_mask(batch.prompt_lengths, batch.total, batch.noisy.shape[1], batch.prompt_isolated)
+        logits = model(batch.noisy, attention_mask=mask)
+    else:
+        logits = model(batch.noisy, valid_lengths=batch.total)
     logits = window_logits(logits, batch.prompt_lengths, width, model.config.logits_shift)
     losses = F.cross_entropy(logits.flatten(0, 1).float(), batch.targets.flatten(), reduction="none")
     losses = losses.view_as(batch.targets)
@@ -208,19 +254,81 @@ def build_tokenizer(path: Path, documents_for_vocabulary: int = 6000, vocab_size
 BUCKETS = 4  # batches drawn together and grouped by length, so padding wastes little compute
 
 
-def _batches(settings: TrainSettings, start_index: int) -> Iterator[tuple[list[Document], int]]:
-    """Batches of similar length. The data index advances a whole pool at a time, so a resumed
-    run starts at a pool boundary (at most BUCKETS - 1 batches are seen twice or skipped)."""
-    stream = training_stream(start_index, variety=curriculum(settings))
-    index = start_index
-    size = settings.batch_size
-    order = random.Random(f"buckets:{settings.seed}:{start_index}")
-    while True:
-        pool = sorted((next(stream) for _ in range(size * BUCKETS)), key=lambda d: len(d.text) + len(d.answer_json()))
-        index += size * BUCKETS
-        groups = [pool[i: i + size] for i in range(0, len(pool), size)]
-        order.shuffle(groups)
-        yield from ((group, index) for group in groups)
+class BatchMaker:
+    """The training batches of one pool of documents: a pure function of the pool's first index.
+
+    A pool is the documents with data indices [start, start + batch_size * BUCKETS), sorted by
+    length and cut into batches (similar lengths pad little), in an order and with masking
+    noise seeded by the pool's index; so batches can be built in any process, in any order,
+    and a resumed run continues the same stream from a pool boundary.
+    """
+
+    def __init__(self, settings: TrainSettings, tokenizer_path: Path) -> None:
+        self.settings = settings
+        self.codec = TextCodec.from_file(tokenizer_path)
+        self.variety = curriculum(settings)
+        self.exclude = held_out_texts()
+        self.templates = ({kind: build_template(schema_for(kind), self.codec, self.codec.mask_id) for kind in KINDS}
+                          if settings.kind == "diffusion" else None)
+
+    @property
+    def pool_size(self) -> int:
+        return self.settings.batch_size * BUCKETS
+
+    def __call__(self, start: int) -> list[tuple]:
+        s = self.settings
+        pool = sorted(training_range(start, start + self.pool_size, self.variety, self.exclude),
+                      key=lambda d: len(d.text) + len(d.answer_json()))
+        groups = [pool[i: i + s.batch_size] for i in range(0, len(pool), s.batch_size)]
+        random.Random(f"buckets:{s.seed}:{start}").shuffle(groups)
+        if s.kind != "diffusion":
+            return [ar_batch(group, self.codec, s.document_loss_weight) for group in groups]
+        generator = torch.Generator().manual_seed(s.seed * 1_000_003 + start)
+        return [diffusion_batch(group, self.codec, ANSWER_WINDOW, generator, self.templates, s.template_fraction,
+                                s.prompt_isolation) for group in groups]
+
+
+_worker_maker: BatchMaker | None = None
+
+
+def _start_worker(settings: TrainSettings, tokenizer_path: Path) -> None:
+    global _worker_maker
+    torch.set_num_threads(1)
+    _worker_maker = BatchMaker(settings, tokenizer_path)
+
+
+def _worker_pool(start: int) -> list[tuple]:
+    assert _worker_maker is not None
+    return _worker_maker(start)
+
+
+def batch_stream(settings: TrainSettings, tokenizer_path: Path, start_index: int) -> Iterator[tuple[tuple, int]]:
+    """(batch, data index to resume from) forever. The index advances a whole pool at a time, so
+    a resumed run starts at a pool boundary (at most BUCKETS - 1 batches are seen twice or skipped).
+    With `data_workers`, that many processes build pools ahead, a bounded number in flight."""
+    pool_size = settings.batch_size * BUCKETS
+    starts = iter(range(start_index, 2**62, pool_size))
+    if settings.data_workers <= 0:
+        maker = BatchMaker(settings, tokenizer_path)
+        for start in starts:
+            yield from ((batch, start + pool_size) for batch in maker(start))
+        return
+    # spawn, not fork: the parent may already hold a CUDA context, which a fork cannot share.
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(settings.data_workers, _start_worker, (settings, tokenizer_path)) as workers:
+        in_flight: deque = deque()
+        while True:
+            while len(in_flight) < 2 * settings.data_workers:
+                start = next(starts)
+                in_flight.append((start, workers.apply_async(_worker_pool, (start,))))
+            start, result = in_flight.popleft()
+            yield from ((batch, start + pool_size) for batch in result.get())
+
+
+def to_device(batch: tuple, device: str | torch.device) -> tuple:
+    """The batch's tensors on `device` (a DiffusionBatch stays one)."""
+    moved = [t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in batch]
+    return type(batch)(*moved) if isinstance(batch, DiffusionBatch) else tuple(moved)
 
 
 def _new_model(settings: TrainSettings, codec: TextCodec) -> Transformer:
@@ -243,7 +351,8 @@ def train(settings: TrainSettings, run_dir: Path, export_dir: Path, tokenizer_pa
 
     Writes `run_dir/state.pt` (model, optimizer, step, data index) after every evaluation,
     `run_dir/log.jsonl` (loss per 10 steps, validation metrics per evaluation) and
-    `run_dir/settings.json`.
+    `run_dir/settings.json`. With `settings.minutes`, the total steps are re-planned from the
+    measured rate until the decay begins (the log's records carry `steps`).
     """
     torch.set_num_threads(settings.threads)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -252,34 +361,31 @@ def train(settings: TrainSettings, run_dir: Path, export_dir: Path, tokenizer_pa
     settings.model = {**MODEL_PRESETS.get(settings.kind, {}), **settings.model}
     torch.manual_seed(settings.seed)
     random.seed(settings.seed)
-    model = _new_model(settings, codec)
+    device = torch.device(settings.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # tensor cores for fp32 weights; ample for training
+    model = _new_model(settings, codec).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate, betas=(0.9, 0.95),
                                   weight_decay=settings.weight_decay)
-    step, data_index, best = 0, 0, -1.0
-    generator = torch.Generator().manual_seed(settings.seed)
+    step, data_index, best = 0, settings.data_start, -1.0
     if state_path.exists():
-        state = torch.load(state_path, weights_only=False)
+        state = torch.load(state_path, weights_only=False, map_location=device)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step, data_index, best = state["step"], state["data_index"], state["best"]
-        generator.set_state(state["generator"])
-    (run_dir / "settings.json").write_text(json.dumps(asdict(settings), indent=2) + "\n")
     validation = documents("validation", settings.eval_documents)
-    templates = {kind: build_template(schema_for(kind), codec, codec.mask_id) for kind in KINDS}
-    batches = _batches(settings, data_index)
+    batches = batch_stream(settings, tokenizer_path, data_index)
     log = log_path.open("a")
     recent: list[float] = []
-    started = time.time()
+    started, step_cap = time.time(), settings.steps
+    rate_clock: tuple[int, float] | None = None  # (step, time) once the data workers are up
     while step < settings.steps:
-        docs, data_index = next(batches)
+        batch, data_index = next(batches)
+        batch = to_device(batch, device)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate_at(step, settings)
         model.train()
-        if settings.kind == "diffusion":
-            batch = diffusion_batch(docs, codec, ANSWER_WINDOW, generator, templates, settings.template_fraction)
-            loss, parts = diffusion_loss(model, batch)
-        else:
-            loss, parts = ar_loss(model, ar_batch(docs, codec, settings.document_loss_weight))
+        loss, parts = (diffusion_loss if settings.kind == "diffusion" else ar_loss)(model, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -287,9 +393,20 @@ def train(settings: TrainSettings, run_dir: Path, export_dir: Path, tokenizer_pa
         step += 1
         recent.append(parts["answer_loss"])
         record = {"step": step, "loss": loss.item(), **parts, "lr": learning_rate_at(step - 1, settings)}
+        if settings.minutes and time.time() - started > settings.minutes * 60:
+            settings.steps = step  # out of time (a plan could not settle, or evaluations ran long): end here
         if step % 10 == 0:
+            in_stable_phase = step < int(settings.steps * (1 - settings.decay_fraction))
+            now = time.time()
+            if rate_clock is None:
+                rate_clock = (step, now)  # this run's rate, after its start-up
+            elif settings.minutes and in_stable_phase and step - rate_clock[0] >= 50:
+                steps_per_s = (step - rate_clock[0]) / max(now - rate_clock[1], 1e-9)
+                remaining_s = settings.minutes * 60 - (now - started)
+                settings.steps = min(step_cap, planned_steps(step, steps_per_s, remaining_s))
             record["answer_loss_avg10"] = sum(recent[-10:]) / len(recent[-10:])
             record["elapsed_s"] = round(time.time() - started, 1)
+            record["steps"] = settings.steps
             log.write(json.dumps(record) + "\n")
             log.flush()
         if step % settings.eval_every == 0 or step == settings.steps:
@@ -305,9 +422,10 @@ def train(settings: TrainSettings, run_dir: Path, export_dir: Path, tokenizer_pa
                     "settings": {k: v for k, v in asdict(settings).items() if k != "model"},
                 })
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                        "data_index": data_index, "best": best, "generator": generator.get_state()},
-                       state_path)
+                        "data_index": data_index, "best": best, "steps": settings.steps}, state_path)
         if progress:
-            progress(step, record)
+            progress(step, {**record, "steps": settings.steps})
+    batches.close()
     log.close()
+    (run_dir / "settings.json").write_text(json.dumps(asdict(settings), indent=2) + "\n")
     return {"step": step, "best_validation_field_accuracy": best, "export": str(export_dir)}

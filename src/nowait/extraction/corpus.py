@@ -519,6 +519,17 @@ def documents(split: str | None = "test", n: int = 100, seed: int | None = None)
     return [_document_at(stream, i) for i in range(n)]
 
 
+def training_range(start: int, stop: int, variety: Callable[[int], float] | float = 1.0,
+                   exclude: frozenset[str] | None = None) -> list[Document]:
+    """The training documents with data indices in [start, stop), held-out texts left out.
+
+    A pure function of the range, so parallel batch builders can each take a range."""
+    exclude = held_out_texts() if exclude is None else exclude
+    found = (_document_at("train", index, variety=variety(index) if callable(variety) else variety)
+             for index in range(start, stop))
+    return [document for document in found if document.text not in exclude]
+
+
 def training_stream(start: int = 0, variety: Callable[[int], float] | float = 1.0,
                     exclude: frozenset[str] | None = None) -> Iterator[Document]:
     """Endless training documents from index `start` on; `variety(i)` allows a curriculum."""
