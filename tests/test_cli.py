@@ -135,3 +135,12 @@ def test_missing_model_directory(tmp_path):
 def test_unknown_split(tiny_checkpoints):
     result = runner.invoke(app, ["eval", "--split", "train", "--model", str(tiny_checkpoints["ar"])])
     assert_one_clear_line(result, "unknown split")
+
+
+@pytest.mark.parametrize(("args", "message"), [(["--prompt-isolation", "1.5"], "--prompt-isolation"),
+                                               (["--minutes", "0"], "--minutes")])
+def test_train_refuses_bad_settings_in_one_line(args, message, tmp_path):
+    result = runner.invoke(app, ["train", "diffusion", *args, "--run-dir", str(tmp_path / "run"),
+                                 "--out", str(tmp_path / "out")])
+    assert_one_clear_line(result, message)
+    assert not (tmp_path / "out").exists()

@@ -84,12 +84,11 @@ def train(
         eval_documents=eval_documents, threads=threads, seed=seed, device=device, data_workers=data_workers,
         minutes=minutes, data_start=data_start, prompt_isolation=prompt_isolation,
     )
+    if kind is TrainKind.diffusion:
+        init_from = init_from or paths.model_dir("ar")
     if init_from:
         settings.init_from = str(init_from)
         settings.clean_steps = settings.curriculum_steps = 0  # the weights already read documents
-    if kind is TrainKind.diffusion:
-        settings.init_from = str(init_from or paths.model_dir("ar"))
-        settings.clean_steps = settings.curriculum_steps = 0
     run_dir = run_dir or Path("runs") / kind.value
     out = out or paths.model_dir(kind.value)
     columns = [TextColumn("[bold]train " + kind.value), BarColumn(), MofNCompleteColumn(),

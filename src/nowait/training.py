@@ -254,6 +254,11 @@ def build_tokenizer(path: Path, documents_for_vocabulary: int = 6000, vocab_size
 BUCKETS = 4  # batches drawn together and grouped by length, so padding wastes little compute
 
 
+def pool_size(settings: TrainSettings) -> int:
+    """Documents per pool: BUCKETS batches drawn together, then grouped by length."""
+    return settings.batch_size * BUCKETS
+
+
 class BatchMaker:
     """The training batches of one pool of documents: a pure function of the pool's first index.
 
@@ -271,13 +276,9 @@ class BatchMaker:
         self.templates = ({kind: build_template(schema_for(kind), self.codec, self.codec.mask_id) for kind in KINDS}
                           if settings.kind == "diffusion" else None)
 
-    @property
-    def pool_size(self) -> int:
-        return self.settings.batch_size * BUCKETS
-
     def __call__(self, start: int) -> list[tuple]:
         s = self.settings
-        pool = sorted(training_range(start, start + self.pool_size, self.variety, self.exclude),
+        pool = sorted(training_range(start, start + pool_size(s), self.variety, self.exclude),
                       key=lambda d: len(d.text) + len(d.answer_json()))
         groups = [pool[i: i + s.batch_size] for i in range(0, len(pool), s.batch_size)]
         random.Random(f"buckets:{s.seed}:{start}").shuffle(groups)
@@ -306,12 +307,12 @@ def batch_stream(settings: TrainSettings, tokenizer_path: Path, start_index: int
     """(batch, data index to resume from) forever. The index advances a whole pool at a time, so
     a resumed run starts at a pool boundary (at most BUCKETS - 1 batches are seen twice or skipped).
     With `data_workers`, that many processes build pools ahead, a bounded number in flight."""
-    pool_size = settings.batch_size * BUCKETS
-    starts = iter(range(start_index, 2**62, pool_size))
+    size = pool_size(settings)
+    starts = iter(range(start_index, 2**62, size))
     if settings.data_workers <= 0:
         maker = BatchMaker(settings, tokenizer_path)
         for start in starts:
-            yield from ((batch, start + pool_size) for batch in maker(start))
+            yield from ((batch, start + size) for batch in maker(start))
         return
     # spawn, not fork: the parent may already hold a CUDA context, which a fork cannot share.
     context = multiprocessing.get_context("spawn")
@@ -322,7 +323,7 @@ def batch_stream(settings: TrainSettings, tokenizer_path: Path, start_index: int
                 start = next(starts)
                 in_flight.append((start, workers.apply_async(_worker_pool, (start,))))
             start, result = in_flight.popleft()
-            yield from ((batch, start + pool_size) for batch in result.get())
+            yield from ((batch, start + size) for batch in result.get())
 
 
 def to_device(batch: tuple, device: str | torch.device) -> tuple:

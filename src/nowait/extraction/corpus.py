@@ -13,6 +13,7 @@ import json
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from itertools import count
 
 from nowait.extraction import pools
 
@@ -534,10 +535,5 @@ def training_stream(start: int = 0, variety: Callable[[int], float] | float = 1.
                     exclude: frozenset[str] | None = None) -> Iterator[Document]:
     """Endless training documents from index `start` on; `variety(i)` allows a curriculum."""
     exclude = held_out_texts() if exclude is None else exclude
-    index = start
-    while True:
-        v = variety(index) if callable(variety) else variety
-        document = _document_at("train", index, variety=v)
-        index += 1
-        if document.text not in exclude:
-            yield document
+    for chunk in count(start, 64):
+        yield from training_range(chunk, chunk + 64, variety, exclude)
