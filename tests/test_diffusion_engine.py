@@ -38,7 +38,8 @@ class Wrapped:
     def eval(self):
         return self
 
-    def __call__(self, ids, cache=None, valid_lengths=None, write_cache=True, attention_mask=None, positions=None):
+    def __call__(self, ids, cache=None, valid_lengths=None, write_cache=True, attention_mask=None, positions=None,
+                 output_positions=None):
         if cache is None and self.block_causal is not None:
             attention_mask = block_causal_mask(self.block_causal, ids.shape[1])[None].expand(ids.shape[0], -1, -1)
         seen = positions
@@ -56,6 +57,8 @@ class Wrapped:
         if self.end_from is not None:
             predicted = seen + int(self.config.logits_shift)
             logits[..., self.end_id] += torch.where(predicted >= self.end_from, 60.0, -60.0)
+        if output_positions is not None:
+            logits = logits.gather(1, output_positions[..., None].expand(-1, -1, logits.shape[-1]))
         return logits
 
 

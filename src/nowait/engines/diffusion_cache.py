@@ -27,8 +27,9 @@ def pad_spans(spans: list[Tensor], starts: list[int], pad_id: int) -> tuple[Tens
 
 
 def forward_spans(model: Transformer, spans: list[Tensor], starts: list[int], pad_id: int,
-                  cache: KVCache | None = None, write: bool = False) -> Tensor:
-    """Logits [B, T, vocab] of each row's span.
+                  cache: KVCache | None = None, write: bool = False, outputs: Tensor | None = None) -> Tensor:
+    """Logits [B, T, vocab] of each row's span, or [B, K, vocab] at `outputs` [B, K] (offsets
+    into each span: only the positions a step decides are projected onto the vocabulary).
 
     No cache: the spans are whole sequences (start 0), attended bidirectionally. With a cache:
     each span attends to its row's cached slots and to itself; `write` also stores its keys and
@@ -36,8 +37,17 @@ def forward_spans(model: Transformer, spans: list[Tensor], starts: list[int], pa
     """
     ids, valid, positions = pad_spans(spans, starts, pad_id)
     if cache is None:
-        return model(ids, valid_lengths=valid)
-    return model(ids, cache, valid_lengths=valid, write_cache=write, positions=positions)
+        return model(ids, valid_lengths=valid, output_positions=outputs)
+    return model(ids, cache, valid_lengths=valid, write_cache=write, positions=positions, output_positions=outputs)
+
+
+def output_window(firsts: list[int], counts: list[int], device: torch.device) -> Tensor:
+    """[B, max(counts)] span offsets first, first + 1, ... of each row (a row with fewer repeats
+    its first offset; those logits are never read)."""
+    width = max(counts, default=0)
+    offsets = torch.arange(width, device=device)[None, :]
+    first = torch.tensor(firsts, device=device)[:, None]
+    return torch.where(offsets < torch.tensor(counts, device=device)[:, None], first + offsets, first)
 
 
 def empty_cache(model: Transformer, batch: int, capacity: int) -> KVCache:
@@ -56,7 +66,8 @@ def prefill(model: Transformer, prefixes: list[Tensor], capacity: int, pad_id: i
     if not rows:
         return cache
     part = cache if len(rows) == len(prefixes) else empty_cache(model, len(rows), capacity)
-    forward_spans(model, [prefixes[row] for row in rows], [0] * len(rows), pad_id, part, write=True)
+    nothing = torch.zeros(len(rows), 0, dtype=torch.long, device=part.lengths.device)  # keys/values only
+    forward_spans(model, [prefixes[row] for row in rows], [0] * len(rows), pad_id, part, write=True, outputs=nothing)
     if part is not cache:
         put_rows(cache, rows, part, int(part.lengths.max()))
     cache.lengths = torch.tensor([len(p) for p in prefixes], device=cache.lengths.device)

@@ -23,7 +23,14 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from nowait.engines.base import Completion, GenerationRequest, StreamChunk
-from nowait.engines.diffusion_cache import forward_spans, prefill, put_rows, stack_caches, take_rows
+from nowait.engines.diffusion_cache import (
+    forward_spans,
+    output_window,
+    prefill,
+    put_rows,
+    stack_caches,
+    take_rows,
+)
 from nowait.engines.diffusion_request import DecodePlan, DiffusionOptions, plan_request
 from nowait.engines.diffusion_row import RowState
 from nowait.engines.structured import TemplateCompiler
@@ -160,30 +167,34 @@ class _Scheduler:
         target = self.cache if whole else take_rows(self.model, self.cache, indices,
                                                     max(r.prompt_prefix for r in rows), self.capacity)
         spans = [row.refresh_span() for row in rows]
+        blocks = [row.block_offsets(start) for row, (_, start) in zip(rows, spans, strict=True)]
+        outputs = output_window([first for first, _ in blocks], [count for _, count in blocks], target.lengths.device)
         logits = forward_spans(self.model, [s for s, _ in spans], [start for _, start in spans], self.pad_id,
-                               target, write=True)
+                               target, write=True, outputs=outputs)
         if not whole:
             put_rows(self.cache, indices, target, max(r.total_length for r in rows))
         for k, (i, row) in enumerate(zip(indices, rows, strict=True)):
             row.forwards += 1
             row.needs_refresh = False
-            row.decide(row.block_logits(logits[k], spans[k][1]))
+            row.decide(logits[k, : blocks[k][1]])
             row.keep_block_cache(self.cache, i, self.cache_mode)
 
     def _step(self, indices: set[int]) -> None:
         """One forward for the given rows; the others ride along as a one-token no-op (a row
         of the cache cannot be skipped, and one token costs next to nothing)."""
-        spans, starts = [], []
+        spans, starts, blocks = [], [], []
         for i, row in enumerate(self.active):
             span, start = row.step_span(self.cache_mode) if i in indices else (row.tokens[:1], 0)
             spans.append(span)
             starts.append(start)
+            blocks.append(row.block_offsets(start) if i in indices else (0, 0))
         cache = None if self.cache_mode == "none" else self.cache
-        logits = forward_spans(self.model, spans, starts, self.pad_id, cache, write=False)
+        outputs = output_window([first for first, _ in blocks], [count for _, count in blocks], spans[0].device)
+        logits = forward_spans(self.model, spans, starts, self.pad_id, cache, write=False, outputs=outputs)
         for i in sorted(indices):
             row = self.active[i]
             row.forwards += 1
-            row.decide(row.block_logits(logits[i], starts[i]))
+            row.decide(logits[i, : blocks[i][1]])
 
     def _retire(self) -> None:
         keep = [i for i, row in enumerate(self.active) if not row.done]

@@ -96,12 +96,17 @@ class RowState:
         end = self.total_length if cache_mode == "prefix" else self.prompt_length + hi
         return self.tokens[start:end], start
 
-    def block_logits(self, logits: Tensor, span_start: int) -> Tensor:
-        """This row's logits [block, vocab] for the current block, from a forward whose span
-        began at absolute position `span_start`."""
+    def block_offsets(self, span_start: int) -> tuple[int, int]:
+        """(first, count): where the current block's logits sit in a forward whose span began
+        at absolute position `span_start`."""
         lo, hi = self.block
-        first = self.prompt_length + lo - self.shift - span_start
-        return logits[first: first + hi - lo]
+        return self.prompt_length + lo - self.shift - span_start, hi - lo
+
+    def block_logits(self, logits: Tensor, span_start: int) -> Tensor:
+        """This row's logits [block, vocab] for the current block, out of the logits of every
+        position of a forward whose span began at absolute position `span_start`."""
+        first, count = self.block_offsets(span_start)
+        return logits[first: first + count]
 
     def keep_block_cache(self, cache: KVCache, row: int, cache_mode: str) -> None:
         """After a refresh wrote the whole window: keep what the block's steps will reuse."""
