@@ -114,13 +114,14 @@ def test_prompt_cache_equals_no_cache_under_block_causal_attention(codec, shift,
 
 @pytest.mark.parametrize("shift", [False, True])
 def test_block_caches_equal_the_prompt_cache_when_each_block_takes_one_step(codec, shift):
-    """A refresh forward is the prompt-cache forward, so when every block is decided by it the
-    prefix and dual caches are exact."""
+    """A whole-window refresh is the prompt-cache forward, so when every block is decided by it
+    the prefix and dual caches are exact (refresh="blocks" reads a suffix from the first
+    refresh instead: an approximation, measured in docs/engines-diffusion.md)."""
     model = diffusion_model(codec, shift, seed=2)
     prompts = prompts_of([4, 8], seed=2)
     outputs = {}
     for mode in ("prompt", "prefix", "dual"):
-        engine = DiffusionEngine(model, codec, DiffusionOptions(tau=1e-9, block=4, cache=mode))
+        engine = DiffusionEngine(model, codec, DiffusionOptions(tau=1e-9, block=4, cache=mode, refresh="window"))
         outputs[mode] = engine.generate([request(p, max_tokens=12) for p in prompts])
     for mode in ("prefix", "dual"):
         assert [c.token_ids for c in outputs[mode]] == [c.token_ids for c in outputs["prompt"]]
@@ -132,7 +133,7 @@ def test_a_block_step_reuses_the_refreshed_cache_exactly(codec, shift, mode):
     """Right after a refresh, a step over the same tokens reads the cached prefix (and suffix)
     and must give the refresh's own logits for the block: positions, slots and the cut agree."""
     model = diffusion_model(codec, shift, seed=3)
-    engine = DiffusionEngine(model, codec, DiffusionOptions(block=4, cache=mode))
+    engine = DiffusionEngine(model, codec, DiffusionOptions(block=4, cache=mode, refresh="window"))
     rows = [RowState(engine.plan(request(p, max_tokens=12)), i, shift, codec.mask_id, torch.device("cpu"))
             for i, p in enumerate(prompts_of([5, 9], seed=3))]
     for block_index in (0, 1, 2):
@@ -156,6 +157,60 @@ def test_a_block_step_reuses_the_refreshed_cache_exactly(codec, shift, mode):
                 assert torch.allclose(row.block_logits(full, 0), row.block_logits(refresh[i], spans[i][1]), atol=1e-4)
                 assert torch.allclose(row.block_logits(step[i], steps[i][1]),
                                       row.block_logits(refresh[i], spans[i][1]), atol=1e-4)
+
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_a_blocks_refresh_keeps_a_consistent_cache(codec, shift):
+    """refresh="blocks": at each block after the first, one forward recomputes the block just
+    finished and the new one over [prompt, earlier window, suffix]; the slots are then
+    rearranged for the block's steps. A step over the same tokens right after must see exactly
+    the keys the refresh saw, so it reproduces the refresh's logits for the block."""
+    model = diffusion_model(codec, shift, seed=7)
+    engine = DiffusionEngine(model, codec, DiffusionOptions(block=4, cache="dual", refresh="blocks"))
+    rows = [RowState(engine.plan(request(p, max_tokens=14)), i, shift, codec.mask_id, torch.device("cpu"))
+            for i, p in enumerate(prompts_of([5, 9], seed=7))]
+    with torch.no_grad():
+        cache = prefill(model, [r.tokens[: r.prompt_prefix] for r in rows], 64, codec.end_id)
+        for block_index in range(len(rows[0].plan.blocks)):  # the last block is 2 wide
+            spans = []
+            for i, row in enumerate(rows):
+                row.block_index = block_index
+                lo, _ = row.block
+                row.window[:lo] = torch.arange(10, 10 + lo)  # earlier blocks committed
+                assert row.refreshes_blocks_only == (block_index > 0)
+                spans.append(row.prepare_refresh(cache, i))
+            written = cache.lengths.clone()
+            refresh = forward_spans(model, [s for s, _ in spans], [s for _, s in spans], codec.end_id, cache, True)
+            for i, row in enumerate(rows):
+                lo, hi = row.block
+                previous_lo = row.plan.blocks[block_index - 1][0] if block_index else 0
+                # The span: the window from the previous block on (the whole window at first)...
+                assert spans[i][1] == row.prompt_length + previous_lo - row.shift if block_index else row.prompt_prefix
+                # ...over the prompt, the window before it, and the suffix after the new block.
+                kept = spans[i][1] + (row.window_length - hi if block_index else 0)
+                assert int(written[i]) == kept
+                row.keep_block_cache(cache, i, "dual")
+                # The block's steps read everything but the block (and the token before it).
+                assert int(cache.lengths[i]) == row.total_length - (hi - lo) - row.shift
+            steps = [r.step_span("dual") for r in rows]
+            step = forward_spans(model, [s for s, _ in steps], [s for _, s in steps], codec.end_id, cache, False)
+            for i, row in enumerate(rows):
+                assert torch.allclose(row.block_logits(step[i], steps[i][1]),
+                                      row.block_logits(refresh[i], spans[i][1]), atol=1e-4)
+
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_a_blocks_refresh_equals_a_window_refresh_without_a_suffix(codec, shift):
+    """With two blocks, the second block's refresh recomputes the same span either way (the
+    whole window, no suffix after it): the two refresh modes decode the same tokens."""
+    model = diffusion_model(codec, shift, seed=8)
+    prompts = prompts_of([4, 10], seed=8)
+    outputs = {}
+    for refresh in ("window", "blocks"):
+        engine = DiffusionEngine(model, codec, DiffusionOptions(tau=0.3, block=5, cache="dual", refresh=refresh))
+        outputs[refresh] = engine.generate([request(p, max_tokens=10) for p in prompts])
+    assert [c.token_ids for c in outputs["blocks"]] == [c.token_ids for c in outputs["window"]]
+    assert [c.forwards for c in outputs["blocks"]] == [c.forwards for c in outputs["window"]]
 
 
 @pytest.mark.parametrize("mode", ["none", "prompt", "prefix", "dual"])
@@ -191,9 +246,11 @@ def test_batched_run_equals_the_same_requests_run_alone(codec):
         request(prompts[3], max_tokens=16, policy="factor", factor=2.0, score="margin"),
         request(prompts[4], max_tokens=9, block=3, score="entropy", tau=0.3),
     ]
-    for mode in ("none", "prompt", "prefix", "dual"):
+    for mode, refresh in (("none", "window"), ("prompt", "window"), ("prefix", "window"), ("dual", "window"),
+                          ("dual", "blocks")):
         for r in requests:
             r.options["cache"] = mode
+            r.options["refresh"] = refresh
         engine = DiffusionEngine(model, codec, max_batch=3)  # five requests: two join later
         batched = engine.generate(requests)
         alone = [engine.generate([r])[0] for r in requests]
@@ -254,6 +311,7 @@ def test_completion_record(codec):
     ({"options": {"tau": 1.5}}, "tau"),
     ({"options": {"tau": "high"}}, "tau"),
     ({"options": {"cache": "everything"}}, "cache"),
+    ({"options": {"refresh": "sometimes"}}, "refresh"),
     ({"options": {"policy": "random"}}, "policy"),
     ({"options": {"steps": 0}}, "steps"),
     ({"options": {"factor": 0}}, "factor"),

@@ -140,6 +140,8 @@ def evaluate(
     tau: float = typer.Option(None, help="diffusion threshold policy: commit positions at least this sure, in (0, 1]"),
     block: int = typer.Option(None, help="diffusion block length in tokens (default: the engine's)"),
     cache: str = typer.Option(None, help="diffusion cache: none, prompt, prefix or dual"),
+    refresh: str = typer.Option(None, help="diffusion dual cache, at each block after the first: window (recompute "
+                                           "the whole window) or blocks (the finished block and the new one)"),
     structured: bool = typer.Option(False, "--structured", help="JSON valid for the document kind's schema: "
                                     "template infilling (diffusion) or a grammar (ar, spec)"),
     method: str = typer.Option("hybrid", help="spec: hybrid (prompt lookup, else the draft model), draft (the "
@@ -166,7 +168,7 @@ def evaluate(
         fail("--n must be at least 1")
     if batch_size < 1:
         fail("--batch-size must be at least 1")
-    diffusion_flags = {"--policy": policy, "--tau": tau, "--block": block, "--cache": cache}
+    diffusion_flags = {"--policy": policy, "--tau": tau, "--block": block, "--cache": cache, "--refresh": refresh}
     if engine in ("ar", "spec"):
         given = [flag for flag, value in diffusion_flags.items() if value is not None]
         if given:
@@ -177,7 +179,7 @@ def evaluate(
             fail("--gamma must be at least 1")
     else:
         try:
-            diffusion_options(policy, tau, block, cache)
+            diffusion_options(policy, tau, block, cache, refresh=refresh)
         except ValueError as error:
             fail(str(error))
     if device != "cpu" and (engine == "spec" or (structured and engine == "ar")):
@@ -208,7 +210,7 @@ def evaluate(
             else:
                 result = run_eval(loaded.model, loaded.codec, engine, n, split=split, seed=seed,
                                   batch_size=batch_size, block=block, policy=policy, tau=tau, cache=cache,
-                                  structured=structured, on_batch=advance)
+                                  structured=structured, on_batch=advance, refresh=refresh)
         except ValueError as error:
             fail(str(error))
     result["settings"]["model"] = str(loaded.path)

@@ -109,16 +109,25 @@ def stack_caches(model: Transformer, first: KVCache | None, second: KVCache, cap
     return out
 
 
+def keep_slot_runs(cache: KVCache, row: int, runs: list[tuple[int, int]]) -> None:
+    """Keep only slots [start, stop) of each run of one row, in the order given, packed from
+    slot 0; the row's length becomes their total.
+
+    A bidirectional forward attends to every valid slot of its row whatever their order, and
+    rotary positions were applied when the keys were written, so moving slots moves no
+    positions: the cache modes rearrange a row's slots freely.
+    """
+    index = torch.cat([torch.arange(start, stop, device=cache.lengths.device) for start, stop in runs])
+    for layer in range(len(cache.keys)):
+        for store in (cache.keys[layer], cache.values[layer]):
+            store[row, :, : len(index)] = store[row, :, index]  # advanced indexing copies first
+    cache.lengths[row] = len(index)
+
+
 def cut_slots(cache: KVCache, row: int, start: int, stop: int, length: int) -> None:
     """Remove slots [start, stop) of one row, moving slots [stop, length) down to `start`.
 
     The dual cache keeps the prefix and the suffix of the current block contiguous, so one
-    forward over the block reads both as an ordinary cached prefix; rotary positions were
-    applied when the keys were written, so moving slots does not move positions.
+    forward over the block reads both as an ordinary cached prefix.
     """
-    tail = length - stop
-    for layer in range(len(cache.keys)):
-        for store in (cache.keys[layer], cache.values[layer]):
-            if tail > 0:
-                store[row, :, start: start + tail] = store[row, :, stop: length].clone()
-    cache.lengths[row] = start + max(tail, 0)
+    keep_slot_runs(cache, row, [(0, start), (stop, max(stop, length))])

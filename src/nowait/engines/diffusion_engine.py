@@ -161,18 +161,16 @@ class _Scheduler:
     def _refresh(self, indices: list[int]) -> None:
         """Recompute the whole window of rows starting a block, writing its keys/values."""
         rows = [self.active[i] for i in indices]
-        for i, row in zip(indices, rows, strict=True):
-            self.cache.lengths[i] = row.prompt_prefix
+        spans = [row.prepare_refresh(self.cache, i) for i, row in zip(indices, rows, strict=True)]
         whole = len(indices) == len(self.active)
         target = self.cache if whole else take_rows(self.model, self.cache, indices,
-                                                    max(r.prompt_prefix for r in rows), self.capacity)
-        spans = [row.refresh_span() for row in rows]
+                                                    int(self.cache.lengths[indices].max()), self.capacity)
         blocks = [row.block_offsets(start) for row, (_, start) in zip(rows, spans, strict=True)]
         outputs = output_window([first for first, _ in blocks], [count for _, count in blocks], target.lengths.device)
         logits = forward_spans(self.model, [s for s, _ in spans], [start for _, start in spans], self.pad_id,
                                target, write=True, outputs=outputs)
         if not whole:
-            put_rows(self.cache, indices, target, max(r.total_length for r in rows))
+            put_rows(self.cache, indices, target, int(target.lengths.max()))
         for k, (i, row) in enumerate(zip(indices, rows, strict=True)):
             row.forwards += 1
             row.needs_refresh = False

@@ -21,6 +21,10 @@ from nowait.model import ModelConfig
 # dual: Fast-dLLM dual cache: the part after the current block is kept too; each step computes
 #   only the current block.
 CACHE_MODES = ("none", "prompt", "prefix", "dual")
+# How a dual cache is refreshed at each block after the first. window: the whole window is
+# recomputed (Fast-dLLM). blocks: only the block just finished and the new one; the suffix after
+# them keeps the keys/values of the window's first refresh.
+REFRESH_MODES = ("window", "blocks")
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,7 @@ class DiffusionOptions:
     block: int | None = 32  # free-form block length; None: the whole window in one block
     template_block: int | None = None  # template mode block length; None: the whole template
     cache: str = "dual"
+    refresh: str = "blocks"  # dual cache: window | blocks (REFRESH_MODES)
     score: str = "probability"  # probability | margin | entropy: the order of commits
 
     def validate(self) -> None:
@@ -47,6 +52,8 @@ class DiffusionOptions:
             raise InvalidRequestError(f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
         if self.cache not in CACHE_MODES:
             raise InvalidRequestError(f"cache must be one of {', '.join(CACHE_MODES)}; got {self.cache!r}")
+        if self.refresh not in REFRESH_MODES:
+            raise InvalidRequestError(f"refresh must be one of {', '.join(REFRESH_MODES)}; got {self.refresh!r}")
         if self.score not in SCORES:
             raise InvalidRequestError(f"score must be one of {', '.join(SCORES)}; got {self.score!r}")
         for name in ("tau", "template_tau"):
@@ -71,7 +78,7 @@ def _is_integer(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-REQUEST_OPTIONS = ("policy", "tau", "factor", "steps", "block", "cache", "score")
+REQUEST_OPTIONS = ("policy", "tau", "factor", "steps", "block", "cache", "refresh", "score")
 
 
 def resolve_options(defaults: DiffusionOptions, overrides: dict, structured: bool) -> DiffusionOptions:

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from nowait.engines.base import Completion, Timings
-from nowait.engines.diffusion_cache import cut_slots
+from nowait.engines.diffusion_cache import cut_slots, keep_slot_runs
 from nowait.engines.diffusion_policies import (
     choose_commits,
     filter_top_k_top_p,
@@ -44,6 +44,7 @@ class RowState:
         self.block_index = 0
         self.steps_in_block = 0
         self.needs_refresh = True
+        self._written_at = 0  # the slot where the last refresh's span was written
         self.forwards = 0
         self.finish_reason: str | None = None
         self.admitted_at = self.first_text_at = self.finished_at = 0.0
@@ -85,6 +86,31 @@ class RowState:
         """The whole window (and the token before it), recomputed over the cached prompt."""
         return self.tokens[self.prompt_prefix:], self.prompt_prefix
 
+    @property
+    def refreshes_blocks_only(self) -> bool:
+        """Whether this block's refresh recomputes only the block just finished and this one
+        (dual cache, `refresh="blocks"`): the suffix after them keeps the keys and values of
+        the window's first refresh instead of being recomputed at every block."""
+        return self.plan.options.cache == "dual" and self.plan.options.refresh == "blocks" and self.block_index > 0
+
+    def prepare_refresh(self, cache: KVCache, row: int) -> tuple[Tensor, int]:
+        """Set this row's cache up for its refresh; returns the span to forward (writing its
+        keys/values after the row's cached slots) and the span's absolute start.
+
+        Whole window: the cache is cut back to the prompt. Blocks only: the dual cache holds the
+        prompt, the window before the finished block and the suffix after the finished block;
+        the suffix's slots up to this block's end are dropped (the span recomputes them)."""
+        if not self.refreshes_blocks_only:
+            cache.lengths[row] = self.prompt_prefix
+            self._written_at = self.prompt_prefix
+            return self.refresh_span()
+        previous_lo, previous_hi = self.plan.blocks[self.block_index - 1]
+        _, hi = self.block
+        kept_prefix = self.prompt_length + previous_lo - self.shift
+        keep_slot_runs(cache, row, [(0, kept_prefix), (kept_prefix + hi - previous_hi, int(cache.lengths[row]))])
+        self._written_at = int(cache.lengths[row])
+        return self.tokens[kept_prefix: self.prompt_length + hi], kept_prefix
+
     def step_span(self, cache_mode: str) -> tuple[Tensor, int]:
         """What one step forwards; the rest of the sequence is in this row's cache slots."""
         lo, hi = self.block
@@ -109,9 +135,17 @@ class RowState:
         return logits[first: first + count]
 
     def keep_block_cache(self, cache: KVCache, row: int, cache_mode: str) -> None:
-        """After a refresh wrote the whole window: keep what the block's steps will reuse."""
+        """After a refresh wrote its span: keep what the block's steps will reuse."""
         lo, hi = self.block
         start = self.prompt_length + lo - self.shift
+        if self.refreshes_blocks_only:
+            # Slots now: [kept prefix | suffix after this block | the refreshed span]. The span's
+            # part before this block joins the prefix; the block itself is recomputed each step.
+            previous_lo = self.plan.blocks[self.block_index - 1][0]
+            kept_prefix, written = self.prompt_length + previous_lo - self.shift, self._written_at
+            keep_slot_runs(cache, row, [(0, kept_prefix), (written, written + lo - previous_lo),
+                                        (kept_prefix, written)])
+            return
         if cache_mode == "prefix":
             cache.lengths[row] = start
         else:  # dual: drop the span each step recomputes, keep the suffix after it
