@@ -200,6 +200,46 @@ def test_a_blocks_refresh_keeps_a_consistent_cache(codec, shift):
 
 
 @pytest.mark.parametrize("shift", [False, True])
+def test_a_dual_step_keeps_the_settled_positions_it_computed(codec, shift):
+    """cache_decoded: after a step, the keys/values the step computed for the block positions
+    that were already settled (committed before it) and lie outside the next open range stay
+    in the row's cache, in slots after the prefix and suffix; the next step forwards only the
+    open range: from the first position still masked or committed just now to the last."""
+    model = diffusion_model(codec, shift, seed=9)
+    engine = DiffusionEngine(model, codec, DiffusionOptions(block=8, cache="dual", tau=0.5))
+    row = RowState(engine.plan(request(prompts_of([6], seed=9)[0], max_tokens=16)), 0, shift, codec.mask_id,
+                   torch.device("cpu"))
+    with torch.no_grad():
+        cache = prefill(model, [row.tokens[: row.prompt_prefix]], 64, codec.end_id)
+        span, start = row.prepare_refresh(cache, 0)
+        forward_spans(model, [span], [start], codec.end_id, cache, True)
+        row.window[[0, 1, 2, 5]] = torch.tensor([20, 21, 22, 23])  # as if the refresh had committed these
+        row.keep_block_cache(cache, 0, "dual")
+        base = int(cache.lengths[0])
+        assert row.open_range == (0, 8) and base == row.total_length - 8 - row.shift
+        for committed_now, expect_open in ((torch.tensor([3]), (3, 8)), (torch.tensor([6]), (4, 8))):
+            lo, hi = row.open_range
+            span, start = row.step_span("dual")
+            assert (start, len(span)) == (row.prompt_length + lo - row.shift, hi - lo + row.shift)
+            written_at = int(cache.lengths[0])
+            forward_spans(model, [span], [start], codec.end_id, cache, True)
+            written = [store[0, :, written_at: written_at + len(span)].clone() for store in cache.keys]
+            cache.lengths[0] = written_at
+            row.window[committed_now] = 30 + committed_now  # this step's commits
+            row.keep_step_cache(cache, 0, written_at, committed_now)
+            assert row.open_range == expect_open
+            next_lo, next_hi = expect_open
+            # Span slot j holds window offset lo - shift + j: keep [lo, next_lo) and [next_hi, hi).
+            kept = [j for j in range(len(span)) if not next_lo - row.shift <= lo - row.shift + j < next_hi]
+            assert int(cache.lengths[0]) == written_at + len(kept)
+            for layer, store in enumerate(cache.keys):
+                assert torch.equal(store[0, :, written_at: written_at + len(kept)], written[layer][:, kept])
+            # Over both steps: every block offset (and the token before the block) outside the open range.
+            outside = [i for i in range(-row.shift, 8) if not next_lo - row.shift <= i < next_hi]
+            assert int(cache.lengths[0]) - base == len(outside)
+
+
+@pytest.mark.parametrize("shift", [False, True])
 def test_a_blocks_refresh_equals_a_window_refresh_without_a_suffix(codec, shift):
     """With two blocks, the second block's refresh recomputes the same span either way (the
     whole window, no suffix after it): the two refresh modes decode the same tokens."""
@@ -225,10 +265,10 @@ def test_early_stop_never_computes_past_the_end(codec, mode):
     assert len(completion.token_ids) == 6 and completion.finish_reason == "stop"
     assert completion.forwards == len(model.calls)
     window_start = len(prompt)
-    if mode == "dual":  # each step forwards only its block (and the token before it)
-        steps = [c for c in model.calls if c["cached"] and not c["write"]]
-        assert steps and all(int(c["positions"][0, c["valid"][0] - 1]) < window_start + 8 for c in steps)
-    if mode in ("prefix", "dual"):
+    if mode == "dual":  # after the prefill and the window's first refresh, forwards end in block 1
+        later = model.calls[2:]
+        assert later and all(int(c["positions"][0, c["valid"][0] - 1]) < window_start + 8 for c in later)
+    if mode == "prefix":
         refreshes = [c for c in model.calls if c["write"] and int(c["positions"][0, 0]) >= window_start - 1]
         assert len(refreshes) == 2  # blocks 0 and 1 only
     # Every forward that decided something was for blocks 0 or 1: at most 8 positions to fill,
@@ -246,11 +286,11 @@ def test_batched_run_equals_the_same_requests_run_alone(codec):
         request(prompts[3], max_tokens=16, policy="factor", factor=2.0, score="margin"),
         request(prompts[4], max_tokens=9, block=3, score="entropy", tau=0.3),
     ]
-    for mode, refresh in (("none", "window"), ("prompt", "window"), ("prefix", "window"), ("dual", "window"),
-                          ("dual", "blocks")):
+    for mode, refresh, cache_decoded in (("none", "window", False), ("prompt", "window", False),
+                                         ("prefix", "window", False), ("dual", "window", False),
+                                         ("dual", "blocks", False), ("dual", "blocks", True)):
         for r in requests:
-            r.options["cache"] = mode
-            r.options["refresh"] = refresh
+            r.options.update(cache=mode, refresh=refresh, cache_decoded=cache_decoded)
         engine = DiffusionEngine(model, codec, max_batch=3)  # five requests: two join later
         batched = engine.generate(requests)
         alone = [engine.generate([r])[0] for r in requests]
@@ -312,6 +352,7 @@ def test_completion_record(codec):
     ({"options": {"tau": "high"}}, "tau"),
     ({"options": {"cache": "everything"}}, "cache"),
     ({"options": {"refresh": "sometimes"}}, "refresh"),
+    ({"options": {"cache_decoded": "yes"}}, "cache_decoded"),
     ({"options": {"policy": "random"}}, "policy"),
     ({"options": {"steps": 0}}, "steps"),
     ({"options": {"factor": 0}}, "factor"),

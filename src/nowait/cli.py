@@ -142,6 +142,9 @@ def evaluate(
     cache: str = typer.Option(None, help="diffusion cache: none, prompt, prefix or dual"),
     refresh: str = typer.Option(None, help="diffusion dual cache, at each block after the first: window (recompute "
                                            "the whole window) or blocks (the finished block and the new one)"),
+    cache_decoded: bool = typer.Option(None, "--cache-decoded/--no-cache-decoded",
+                                       help="diffusion dual cache: keep settled tokens' keys/values within a block "
+                                            "(default: on)"),
     structured: bool = typer.Option(False, "--structured", help="JSON valid for the document kind's schema: "
                                     "template infilling (diffusion) or a grammar (ar, spec)"),
     method: str = typer.Option("hybrid", help="spec: hybrid (prompt lookup, else the draft model), draft (the "
@@ -168,7 +171,8 @@ def evaluate(
         fail("--n must be at least 1")
     if batch_size < 1:
         fail("--batch-size must be at least 1")
-    diffusion_flags = {"--policy": policy, "--tau": tau, "--block": block, "--cache": cache, "--refresh": refresh}
+    diffusion_flags = {"--policy": policy, "--tau": tau, "--block": block, "--cache": cache, "--refresh": refresh,
+                       "--cache-decoded": cache_decoded}
     if engine in ("ar", "spec"):
         given = [flag for flag, value in diffusion_flags.items() if value is not None]
         if given:
@@ -179,7 +183,7 @@ def evaluate(
             fail("--gamma must be at least 1")
     else:
         try:
-            diffusion_options(policy, tau, block, cache, refresh=refresh)
+            diffusion_options(policy, tau, block, cache, refresh=refresh, cache_decoded=cache_decoded)
         except ValueError as error:
             fail(str(error))
     if device != "cpu" and (engine == "spec" or (structured and engine == "ar")):
@@ -210,7 +214,8 @@ def evaluate(
             else:
                 result = run_eval(loaded.model, loaded.codec, engine, n, split=split, seed=seed,
                                   batch_size=batch_size, block=block, policy=policy, tau=tau, cache=cache,
-                                  structured=structured, on_batch=advance, refresh=refresh)
+                                  structured=structured, on_batch=advance, refresh=refresh,
+                                  cache_decoded=cache_decoded)
         except ValueError as error:
             fail(str(error))
     result["settings"]["model"] = str(loaded.path)

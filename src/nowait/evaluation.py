@@ -141,7 +141,8 @@ def describe_decoding(engine: str, options: DiffusionOptions | None, structured:
             "threshold": f"threshold tau={o.template_tau if structured else o.tau} (Fast-dLLM)",
             "factor": f"factor {o.factor} (Fast-dLLM)"}[o.policy]
     block = o.template_block if structured else o.block
-    cache = f"{o.cache} (refresh {o.refresh})" if o.cache == "dual" else o.cache
+    cache = (f"{o.cache} (refresh {o.refresh}{', settled tokens cached' if o.cache_decoded else ''})"
+             if o.cache == "dual" else o.cache)
     return (f"{rule}, score {o.score}, block {block or 'whole window'}, cache {cache}, "
             + ("schema template" if structured else f"free-form window {ANSWER_WINDOW}"))
 
@@ -161,11 +162,12 @@ def evaluate_engine(model: Transformer, codec: TextCodec, engine: str, docs: lis
 
 def diffusion_options(policy: str | None = None, tau: float | None = None, block: int | None = None,
                       cache: str | None = None, base: DiffusionOptions | None = None,
-                      refresh: str | None = None) -> DiffusionOptions:
+                      refresh: str | None = None, cache_decoded: bool | None = None) -> DiffusionOptions:
     """The engine defaults with the given settings replaced (a given block applies to both
     free-form and template mode). Raises InvalidRequestError (a ValueError) if invalid."""
     o = base or DiffusionOptions()
-    changes = {k: v for k, v in {"policy": policy, "cache": cache, "refresh": refresh}.items() if v is not None}
+    changes = {k: v for k, v in {"policy": policy, "cache": cache, "refresh": refresh,
+                                 "cache_decoded": cache_decoded}.items() if v is not None}
     if block is not None:
         changes.update(block=block, template_block=block)
     if tau is not None:
@@ -179,10 +181,11 @@ def run_eval(model: Transformer, codec: TextCodec, engine: str, n: int, split: s
              seed: int | None = None, batch_size: int = 32, block: int | None = None,
              on_batch: Callable[[int], None] | None = None, policy: str | None = None,
              tau: float | None = None, cache: str | None = None, structured: bool = False,
-             refresh: str | None = None) -> dict:
+             refresh: str | None = None, cache_decoded: bool | None = None) -> dict:
     """`nowait eval`: metrics on n held-out documents plus the settings that produced them."""
     check_engine(model, engine)
-    options = diffusion_options(policy, tau, block, cache, refresh=refresh) if engine == "diffusion" else None
+    options = (diffusion_options(policy, tau, block, cache, refresh=refresh, cache_decoded=cache_decoded)
+               if engine == "diffusion" else None)
     docs = documents(split, n, seed=seed)
     result = evaluate_engine(model, codec, engine, docs, batch_size, options, structured, on_batch)
     settings = {"engine": engine, "split": None if seed is not None else split, "seed": seed,
@@ -191,7 +194,8 @@ def run_eval(model: Transformer, codec: TextCodec, engine: str, n: int, split: s
     if options is not None:
         settings.update(policy=options.policy, tau=options.template_tau if structured else options.tau,
                         block=options.template_block if structured
-                        else options.block, cache=options.cache, refresh=options.refresh, score=options.score)
+                        else options.block, cache=options.cache, refresh=options.refresh,
+                        cache_decoded=options.cache_decoded, score=options.score)
     return {**result, "settings": settings}
 
 

@@ -117,11 +117,17 @@ def keep_slot_runs(cache: KVCache, row: int, runs: list[tuple[int, int]]) -> Non
     rotary positions were applied when the keys were written, so moving slots moves no
     positions: the cache modes rearrange a row's slots freely.
     """
-    index = torch.cat([torch.arange(start, stop, device=cache.lengths.device) for start, stop in runs])
-    for layer in range(len(cache.keys)):
-        for store in (cache.keys[layer], cache.values[layer]):
-            store[row, :, : len(index)] = store[row, :, index]  # advanced indexing copies first
-    cache.lengths[row] = len(index)
+    runs = [(start, stop) for start, stop in runs if stop > start]
+    settled = 0  # leading runs already in place are not copied (the usual case: a short tail moves)
+    while runs and runs[0][0] == settled:
+        settled = runs.pop(0)[1]
+    if runs:
+        index = torch.cat([torch.arange(start, stop, device=cache.lengths.device) for start, stop in runs])
+        for layer in range(len(cache.keys)):
+            for store in (cache.keys[layer], cache.values[layer]):
+                store[row, :, settled: settled + len(index)] = store[row, :, index]  # gathered first
+        settled += len(index)
+    cache.lengths[row] = settled
 
 
 def cut_slots(cache: KVCache, row: int, start: int, stop: int, length: int) -> None:

@@ -179,20 +179,30 @@ class _Scheduler:
 
     def _step(self, indices: set[int]) -> None:
         """One forward for the given rows; the others ride along as a one-token no-op (a row
-        of the cache cannot be skipped, and one token costs next to nothing)."""
-        spans, starts, blocks = [], [], []
+        of the cache cannot be skipped, and one token costs next to nothing).
+
+        Dual cache: the forward writes each span's keys/values after the row's cached slots;
+        each row then keeps what it settled (`keep_step_cache`) and the rest is dropped."""
+        spans, starts, ranges, blocks = [], [], [], []
         for i, row in enumerate(self.active):
             span, start = row.step_span(self.cache_mode) if i in indices else (row.tokens[:1], 0)
             spans.append(span)
             starts.append(start)
-            blocks.append(row.block_offsets(start) if i in indices else (0, 0))
+            ranges.append(row.decision_range(self.cache_mode))
+            blocks.append(row.block_offsets(start, ranges[-1]) if i in indices else (0, 0))
         cache = None if self.cache_mode == "none" else self.cache
+        write = self.cache_mode == "dual"
+        written_at = self.cache.lengths.clone() if write else None
         outputs = output_window([first for first, _ in blocks], [count for _, count in blocks], spans[0].device)
-        logits = forward_spans(self.model, spans, starts, self.pad_id, cache, write=False, outputs=outputs)
+        logits = forward_spans(self.model, spans, starts, self.pad_id, cache, write=write, outputs=outputs)
+        if write:
+            self.cache.lengths = written_at.clone()
         for i in sorted(indices):
             row = self.active[i]
             row.forwards += 1
-            row.decide(logits[i, : blocks[i][1]])
+            committed = row.decide(logits[i, : blocks[i][1]], ranges[i][0])
+            if write:
+                row.keep_step_cache(self.cache, i, int(written_at[i]), committed)
 
     def _retire(self) -> None:
         keep = [i for i, row in enumerate(self.active) if not row.done]

@@ -45,6 +45,9 @@ class DiffusionOptions:
     template_block: int | None = None  # template mode block length; None: the whole template
     cache: str = "dual"
     refresh: str = "blocks"  # dual cache: window | blocks (REFRESH_MODES)
+    # dual cache: keep each settled token's keys/values once computed with the token (one step
+    # after its commit), so a step recomputes only the block's range that still changes.
+    cache_decoded: bool = True
     score: str = "probability"  # probability | margin | entropy: the order of commits
 
     def validate(self) -> None:
@@ -52,6 +55,8 @@ class DiffusionOptions:
             raise InvalidRequestError(f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
         if self.cache not in CACHE_MODES:
             raise InvalidRequestError(f"cache must be one of {', '.join(CACHE_MODES)}; got {self.cache!r}")
+        if not isinstance(self.cache_decoded, bool):
+            raise InvalidRequestError(f"cache_decoded must be true or false, got {self.cache_decoded!r}")
         if self.refresh not in REFRESH_MODES:
             raise InvalidRequestError(f"refresh must be one of {', '.join(REFRESH_MODES)}; got {self.refresh!r}")
         if self.score not in SCORES:
@@ -78,7 +83,7 @@ def _is_integer(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-REQUEST_OPTIONS = ("policy", "tau", "factor", "steps", "block", "cache", "refresh", "score")
+REQUEST_OPTIONS = ("policy", "tau", "factor", "steps", "block", "cache", "refresh", "cache_decoded", "score")
 
 
 def resolve_options(defaults: DiffusionOptions, overrides: dict, structured: bool) -> DiffusionOptions:

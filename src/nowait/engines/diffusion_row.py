@@ -45,6 +45,8 @@ class RowState:
         self.steps_in_block = 0
         self.needs_refresh = True
         self._written_at = 0  # the slot where the last refresh's span was written
+        self._suffix_end = 0  # dual cache: slots before it are prompt, window prefix and suffix
+        self.open_range = plan.blocks[0]  # dual cache: the window range a step recomputes
         self.forwards = 0
         self.finish_reason: str | None = None
         self.admitted_at = self.first_text_at = self.finished_at = 0.0
@@ -107,7 +109,8 @@ class RowState:
         previous_lo, previous_hi = self.plan.blocks[self.block_index - 1]
         _, hi = self.block
         kept_prefix = self.prompt_length + previous_lo - self.shift
-        keep_slot_runs(cache, row, [(0, kept_prefix), (kept_prefix + hi - previous_hi, int(cache.lengths[row]))])
+        # The finished block's settled slots, kept after the suffix, are recomputed by the span.
+        keep_slot_runs(cache, row, [(0, kept_prefix), (kept_prefix + hi - previous_hi, self._suffix_end)])
         self._written_at = int(cache.lengths[row])
         return self.tokens[kept_prefix: self.prompt_length + hi], kept_prefix
 
@@ -118,14 +121,25 @@ class RowState:
             return self.tokens, 0
         if cache_mode == "prompt":
             return self.refresh_span()
+        if cache_mode == "dual":
+            lo, hi = self.open_range
         start = self.prompt_length + lo - self.shift
         end = self.total_length if cache_mode == "prefix" else self.prompt_length + hi
         return self.tokens[start:end], start
 
-    def block_offsets(self, span_start: int) -> tuple[int, int]:
-        """(first, count): where the current block's logits sit in a forward whose span began
-        at absolute position `span_start`."""
-        lo, hi = self.block
+    @property
+    def caches_decoded(self) -> bool:
+        """Dual cache with `cache_decoded`: the block's settled tokens are cached too."""
+        return self.plan.options.cache == "dual" and self.plan.options.cache_decoded
+
+    def decision_range(self, cache_mode: str) -> tuple[int, int]:
+        """The window range whose logits a step reads: the block, or its open range."""
+        return self.open_range if cache_mode == "dual" else self.block
+
+    def block_offsets(self, span_start: int, window_range: tuple[int, int] | None = None) -> tuple[int, int]:
+        """(first, count): where the logits of `window_range` (default: the current block) sit
+        in a forward whose span began at absolute position `span_start`."""
+        lo, hi = window_range or self.block
         return self.prompt_length + lo - self.shift - span_start, hi - lo
 
     def block_logits(self, logits: Tensor, span_start: int) -> Tensor:
@@ -145,29 +159,56 @@ class RowState:
             kept_prefix, written = self.prompt_length + previous_lo - self.shift, self._written_at
             keep_slot_runs(cache, row, [(0, kept_prefix), (written, written + lo - previous_lo),
                                         (kept_prefix, written)])
-            return
-        if cache_mode == "prefix":
+        elif cache_mode == "prefix":
             cache.lengths[row] = start
         else:  # dual: drop the span each step recomputes, keep the suffix after it
             cut_slots(cache, row, start, self.prompt_length + hi, self.total_length)
+        self._suffix_end = int(cache.lengths[row])
+        self.open_range = self.block  # the refresh saw the block masked: all of it is open
+
+    def keep_step_cache(self, cache: KVCache, row: int, written_at: int, committed_now: Tensor) -> None:
+        """After a dual step that wrote its span at slot `written_at` (and was decided): keep the
+        keys/values of the positions the next step need not recompute.
+
+        dKV-Cache (Ma et al. 2025, arXiv 2505.15781), delayed caching: a token's keys/values are
+        cached once they were computed with the token itself, one step after its commit. The next
+        step recomputes the range from the first to the last position still masked or committed
+        just now (window offsets); the settled positions of this span outside it are kept.
+        """
+        lo, hi = self.open_range
+        cache.lengths[row] = written_at
+        if not self.caches_decoded:
+            return
+        moving = self._masked(*self.block).nonzero().flatten().tolist() + committed_now.tolist()
+        if not moving:
+            return  # the block is complete; its refresh recomputes it
+        block_lo = self.block[0]
+        next_lo, next_hi = block_lo + min(moving), block_lo + max(moving) + 1
+        # Span slot j holds absolute position P + lo - shift + j.
+        keep_slot_runs(cache, row, [(0, written_at), (written_at, written_at + next_lo - lo),
+                                    (written_at + next_hi - lo + self.shift, written_at + hi - lo + self.shift)])
+        self.open_range = (next_lo, next_hi)
 
     # --- one step ---
 
     def _masked(self, lo: int, hi: int) -> Tensor:
         return (self.window[lo:hi] == self.mask_id) & self.fillable[lo:hi]
 
-    def decide(self, logits: Tensor) -> None:
-        """Propose a token at every masked position of the block and commit some of them.
+    def decide(self, logits: Tensor, first: int | None = None) -> Tensor:
+        """Propose a token at every masked position of the block and commit some of them;
+        returns the block offsets committed.
 
-        `logits` [block, vocab]; only the still-masked positions are looked at."""
+        `logits` [positions, vocab] for the window positions from `first` on (default: the
+        block's start), covering every still-masked position of the block."""
         lo, hi = self.block
+        first = lo if first is None else first
         options, sampling = self.plan.options, self.plan.request.sampling
         where = self._masked(lo, hi).nonzero().flatten()  # block offsets still to fill
         steps_done = self.steps_in_block
         self.steps_in_block += 1
         if not len(where):
-            return
-        logits = logits[where].float()
+            return where
+        logits = logits[where - (first - lo)].float()
         logits[:, self.mask_id] = float("-inf")  # committing the mask token would commit nothing
         probabilities = logits.softmax(-1)
         allowed = forced = None
@@ -199,6 +240,7 @@ class RowState:
             commit = self._consistent(positions, commit, prediction, score)
         self.window[positions[commit]] = prediction[commit]
         self.confidence[positions[commit]] = chosen_probability[commit]
+        return where[commit]
 
     def _slot_assignment(self, slot_index: int, window: list[int]) -> list[int | None]:
         slot = self.plan.template.template.slots[slot_index]
