@@ -242,12 +242,14 @@ def test_a_dual_step_keeps_the_settled_positions_it_computed(codec, shift):
 @pytest.mark.parametrize("shift", [False, True])
 def test_a_blocks_refresh_equals_a_window_refresh_without_a_suffix(codec, shift):
     """With two blocks, the second block's refresh recomputes the same span either way (the
-    whole window, no suffix after it): the two refresh modes decode the same tokens."""
+    whole window, no suffix after it): the two refresh modes decode the same tokens (without
+    cache_decoded, which lets a blocks refresh reuse what the finished block's steps cached)."""
     model = diffusion_model(codec, shift, seed=8)
     prompts = prompts_of([4, 10], seed=8)
     outputs = {}
     for refresh in ("window", "blocks"):
-        engine = DiffusionEngine(model, codec, DiffusionOptions(tau=0.3, block=5, cache="dual", refresh=refresh))
+        engine = DiffusionEngine(model, codec, DiffusionOptions(tau=0.3, block=5, cache="dual", refresh=refresh,
+                                                                cache_decoded=False))
         outputs[refresh] = engine.generate([request(p, max_tokens=10) for p in prompts])
     assert [c.token_ids for c in outputs["blocks"]] == [c.token_ids for c in outputs["window"]]
     assert [c.forwards for c in outputs["blocks"]] == [c.forwards for c in outputs["window"]]

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from nowait.engines.base import Completion, Timings
-from nowait.engines.diffusion_cache import cut_slots, keep_slot_runs
+from nowait.engines.diffusion_cache import cut_slots, keep_slot_runs, keep_slots
 from nowait.engines.diffusion_policies import (
     choose_commits,
     filter_top_k_top_p,
@@ -46,6 +46,8 @@ class RowState:
         self.needs_refresh = True
         self._written_at = 0  # the slot where the last refresh's span was written
         self._suffix_end = 0  # dual cache: slots before it are prompt, window prefix and suffix
+        self._settled: list[int] = []  # dual cache: the absolute position of each slot after those
+        self._span_start = 0  # the absolute position where the last refresh's span began
         self.open_range = plan.blocks[0]  # dual cache: the window range a step recomputes
         self.forwards = 0
         self.finish_reason: str | None = None
@@ -103,16 +105,20 @@ class RowState:
         prompt, the window before the finished block and the suffix after the finished block;
         the suffix's slots up to this block's end are dropped (the span recomputes them)."""
         if not self.refreshes_blocks_only:
-            cache.lengths[row] = self.prompt_prefix
-            self._written_at = self.prompt_prefix
+            cache.lengths[row] = self._written_at = self._span_start = self.prompt_prefix
             return self.refresh_span()
         previous_lo, previous_hi = self.plan.blocks[self.block_index - 1]
         _, hi = self.block
         kept_prefix = self.prompt_length + previous_lo - self.shift
-        # The finished block's settled slots, kept after the suffix, are recomputed by the span.
-        keep_slot_runs(cache, row, [(0, kept_prefix), (kept_prefix + hi - previous_hi, self._suffix_end)])
-        self._written_at = int(cache.lengths[row])
-        return self.tokens[kept_prefix: self.prompt_length + hi], kept_prefix
+        # The finished block's positions before its last open range were cached by its steps
+        # (with their tokens); the span recomputes the rest of it and the new block.
+        start = self.prompt_length + self.open_range[0] - self.shift
+        settled = sorted((position, self._suffix_end + k) for k, position in enumerate(self._settled)
+                         if position < start)
+        keep_slots(cache, row, [*range(kept_prefix), *(slot for _, slot in settled),
+                                *range(kept_prefix + hi - previous_hi, self._suffix_end)])
+        self._written_at, self._span_start = int(cache.lengths[row]), start
+        return self.tokens[start: self.prompt_length + hi], start
 
     def step_span(self, cache_mode: str) -> tuple[Tensor, int]:
         """What one step forwards; the rest of the sequence is in this row's cache slots."""
@@ -153,17 +159,17 @@ class RowState:
         lo, hi = self.block
         start = self.prompt_length + lo - self.shift
         if self.refreshes_blocks_only:
-            # Slots now: [kept prefix | suffix after this block | the refreshed span]. The span's
-            # part before this block joins the prefix; the block itself is recomputed each step.
-            previous_lo = self.plan.blocks[self.block_index - 1][0]
-            kept_prefix, written = self.prompt_length + previous_lo - self.shift, self._written_at
-            keep_slot_runs(cache, row, [(0, kept_prefix), (written, written + lo - previous_lo),
+            # Slots now: [prefix up to the span | suffix after this block | the refreshed span].
+            # The span's part before this block joins the prefix; the block is recomputed by steps.
+            kept_prefix, written = self._span_start, self._written_at
+            keep_slot_runs(cache, row, [(0, kept_prefix), (written, written + start - kept_prefix),
                                         (kept_prefix, written)])
         elif cache_mode == "prefix":
             cache.lengths[row] = start
         else:  # dual: drop the span each step recomputes, keep the suffix after it
             cut_slots(cache, row, start, self.prompt_length + hi, self.total_length)
         self._suffix_end = int(cache.lengths[row])
+        self._settled = []
         self.open_range = self.block  # the refresh saw the block masked: all of it is open
 
     def keep_step_cache(self, cache: KVCache, row: int, written_at: int, committed_now: Tensor) -> None:
@@ -185,8 +191,10 @@ class RowState:
         block_lo = self.block[0]
         next_lo, next_hi = block_lo + min(moving), block_lo + max(moving) + 1
         # Span slot j holds absolute position P + lo - shift + j.
-        keep_slot_runs(cache, row, [(0, written_at), (written_at, written_at + next_lo - lo),
-                                    (written_at + next_hi - lo + self.shift, written_at + hi - lo + self.shift)])
+        kept = [*range(next_lo - lo), *range(next_hi - lo + self.shift, hi - lo + self.shift)]
+        keep_slots(cache, row, [*range(written_at), *(written_at + j for j in kept)])
+        first = self.prompt_length + lo - self.shift
+        self._settled += [first + j for j in kept]
         self.open_range = (next_lo, next_hi)
 
     # --- one step ---
