@@ -237,6 +237,21 @@ def test_a_dual_step_keeps_the_settled_positions_it_computed(codec, shift):
             # Over both steps: every block offset (and the token before the block) outside the open range.
             outside = [i for i in range(-row.shift, 8) if not next_lo - row.shift <= i < next_hi]
             assert int(cache.lengths[0]) - base == len(outside)
+        # The block completes; the next block's refresh (refresh="blocks") keeps the positions
+        # cached before the last open range and recomputes from there: after it, the cache holds
+        # every position but the new block (and the token before it), each once, and a step over
+        # the same tokens sees exactly what the refresh saw.
+        row.window[:8] = torch.arange(40, 48)
+        row.block_index = 1
+        span, start = row.prepare_refresh(cache, 0)
+        assert start == row.prompt_length + 4 - row.shift  # the last open range began at offset 4
+        refresh = forward_spans(model, [span], [start], codec.end_id, cache, True)
+        row.keep_block_cache(cache, 0, "dual")
+        assert int(cache.lengths[0]) == row.total_length - 8 - row.shift
+        span, start = row.step_span("dual")
+        step = forward_spans(model, [span], [start], codec.end_id, cache, False)
+        assert torch.allclose(row.block_logits(step[0], start), row.block_logits(refresh[0], row._span_start),
+                              atol=1e-4)
 
 
 @pytest.mark.parametrize("shift", [False, True])
