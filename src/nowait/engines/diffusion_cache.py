@@ -109,28 +109,41 @@ def stack_caches(model: Transformer, first: KVCache | None, second: KVCache, cap
     return out
 
 
-def keep_slots(cache: KVCache, row: int, slots: list[int]) -> None:
-    """Keep only the given slots of one row, in the order given, packed from slot 0; the row's
-    length becomes their count.
+def keep_slot_runs(cache: KVCache, row: int, runs: list[tuple[int, int]]) -> None:
+    """Keep only slots [start, stop) of each run of one row, in the order given, packed from
+    slot 0; the row's length becomes their total.
 
     A bidirectional forward attends to every valid slot of its row whatever their order, and
     rotary positions were applied when the keys were written, so moving slots moves no
     positions: the cache modes rearrange a row's slots freely.
     """
-    settled = 0  # a leading run already in place is not copied (the usual case: a short tail moves)
-    while settled < len(slots) and slots[settled] == settled:
-        settled += 1
-    if settled < len(slots):
-        index = torch.tensor(slots[settled:], device=cache.lengths.device)
+    runs = [(start, stop) for start, stop in runs if stop > start]
+    settled = 0  # leading runs already in place are not copied (the usual case: a short tail moves)
+    while runs and runs[0][0] == settled:
+        settled = runs.pop(0)[1]
+    total = settled + sum(stop - start for start, stop in runs)
+    if len(runs) == 1:  # one slice moves down (a copy first: source and destination may overlap)
+        start, stop = runs[0]
         for layer in range(len(cache.keys)):
             for store in (cache.keys[layer], cache.values[layer]):
-                store[row, :, settled: len(slots)] = store[row, :, index]  # gathered first
-    cache.lengths[row] = len(slots)
+                store[row, :, settled:total] = store[row, :, start:stop].clone()
+    elif runs:
+        index = torch.cat([torch.arange(start, stop, device=cache.lengths.device) for start, stop in runs])
+        for layer in range(len(cache.keys)):
+            for store in (cache.keys[layer], cache.values[layer]):
+                store[row, :, settled:total] = store[row, :, index]  # advanced indexing gathers first
+    cache.lengths[row] = total
 
 
-def keep_slot_runs(cache: KVCache, row: int, runs: list[tuple[int, int]]) -> None:
-    """`keep_slots` for runs of slots [start, stop), in the order given."""
-    keep_slots(cache, row, [slot for start, stop in runs for slot in range(start, stop)])
+def slot_runs(slots: list[int]) -> list[tuple[int, int]]:
+    """Slot indices as runs [start, stop) of consecutive slots, in the order given."""
+    runs: list[tuple[int, int]] = []
+    for slot in slots:
+        if runs and runs[-1][1] == slot:
+            runs[-1] = (runs[-1][0], slot + 1)
+        else:
+            runs.append((slot, slot + 1))
+    return runs
 
 
 def cut_slots(cache: KVCache, row: int, start: int, stop: int, length: int) -> None:

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from nowait.engines.base import Completion, Timings
-from nowait.engines.diffusion_cache import cut_slots, keep_slot_runs, keep_slots
+from nowait.engines.diffusion_cache import cut_slots, keep_slot_runs, slot_runs
 from nowait.engines.diffusion_policies import (
     choose_commits,
     filter_top_k_top_p,
@@ -115,8 +115,8 @@ class RowState:
         start = self.prompt_length + self.open_range[0] - self.shift
         settled = sorted((position, self._suffix_end + k) for k, position in enumerate(self._settled)
                          if position < start)
-        keep_slots(cache, row, [*range(kept_prefix), *(slot for _, slot in settled),
-                                *range(kept_prefix + hi - previous_hi, self._suffix_end)])
+        keep_slot_runs(cache, row, [(0, kept_prefix), *slot_runs([slot for _, slot in settled]),
+                                    (kept_prefix + hi - previous_hi, self._suffix_end)])
         self._written_at, self._span_start = int(cache.lengths[row]), start
         return self.tokens[start: self.prompt_length + hi], start
 
@@ -192,7 +192,8 @@ class RowState:
         next_lo, next_hi = block_lo + min(moving), block_lo + max(moving) + 1
         # Span slot j holds absolute position P + lo - shift + j.
         kept = [*range(next_lo - lo), *range(next_hi - lo + self.shift, hi - lo + self.shift)]
-        keep_slots(cache, row, [*range(written_at), *(written_at + j for j in kept)])
+        keep_slot_runs(cache, row, [(0, written_at + next_lo - lo),
+                                    (written_at + next_hi - lo + self.shift, written_at + hi - lo + self.shift)])
         first = self.prompt_length + lo - self.shift
         self._settled += [first + j for j in kept]
         self.open_range = (next_lo, next_hi)
