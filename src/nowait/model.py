@@ -342,15 +342,16 @@ class Transformer(nn.Module):
         device = cache.lengths.device
         prefix = cache.lengths
         new_index = torch.arange(length, device=device)
-        if write_cache and cache.batch == 1 and not padded and self.config.causal:
-            # One row, no padding (batch-1 decode, a speculative verify): every cached key is
-            # valid, so one new token needs no mask at all and several need only the causal
-            # tail; the keys go to one contiguous slice. Same result, a fraction of the ops.
+        if write_cache and cache.batch == 1 and not padded:
+            # One row, no padding (batch-1 decode, a speculative verify, a diffusion step): every
+            # cached key is valid, so a bidirectional forward or one new token needs no mask at
+            # all and several causal ones need only the causal tail; the keys go to one
+            # contiguous slice. Same result, a fraction of the ops.
             start = int(prefix[0])
             if start + length > cache.max_tokens:
                 raise ValueError(f"KV cache holds {cache.max_tokens} tokens; this forward needs more")
             mask = None
-            if length > 1:
+            if length > 1 and self.config.causal:
                 slot = torch.arange(start + length, device=device)
                 mask = (slot[None, :] <= (start + new_index)[:, None])[None, None]
             return mask, slice(start, start + length), start + length

@@ -36,6 +36,8 @@ def forward_spans(model: Transformer, spans: list[Tensor], starts: list[int], pa
     values after the row's cached slots (the caller sets `cache.lengths` afterwards).
     """
     ids, valid, positions = pad_spans(spans, starts, pad_id)
+    if len(spans) == 1:
+        valid = None  # one row has no padding: the model takes its unmasked, slice-written path
     if cache is None:
         return model(ids, valid_lengths=valid, output_positions=outputs)
     return model(ids, cache, valid_lengths=valid, write_cache=write, positions=positions, output_positions=outputs)
