@@ -48,6 +48,24 @@ def test_bench_engines_runs_every_configuration_on_the_same_documents(checkpoint
                                                     if name != "diffusion"}
     assert by_name["spec"]["greedy_identical_to_ar"] is True  # speculation never changes greedy output
     assert report["settings"]["batch_size"] == 1
+    head_to_head = by_name["diffusion"]["vs_ar_interleaved"]  # the same two decodes, taking turns
+    assert head_to_head["speedup_p50_vs_ar"] == pytest.approx(
+        head_to_head["ar_latency_ms_p50"] / head_to_head["diffusion_latency_ms_p50"], rel=0.01)
+
+
+def test_bench_cache_modes_takes_turns_on_each_document(checkpoints):
+    from nowait.bench.cache_modes import CACHE_CONFIGS, DEFAULT_CONFIG
+
+    result = runner.invoke(app, ["bench", "cache-modes", "--n", "2", "--json", "--model", checkpoints["diffusion"]])
+    assert result.exit_code == 0, result.output
+    report = last_json(result.output)
+    names = [m["name"] for m in report["modes"]]
+    assert names[0] == DEFAULT_CONFIG and sorted(names) == sorted(CACHE_CONFIGS)
+    for mode in report["modes"]:
+        assert all(field in mode for field in EVAL_FIELDS if field != "doc_accuracy"), mode["name"]
+    assert report["modes"][0]["latency_ratio_median"] == 1.0  # the default against itself
+    refused = runner.invoke(app, ["bench", "cache-modes", "--n", "1", "--model", checkpoints["ar"]])
+    assert refused.exit_code != 0 and "AR model" in refused.output and "Traceback" not in refused.output
 
 
 def test_bench_engines_fails_clearly(checkpoints, tmp_path):

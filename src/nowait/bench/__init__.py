@@ -7,7 +7,7 @@ import typer
 bench_app = typer.Typer(help="Measure engines, batching and the gateway on this machine.", no_args_is_help=True)
 
 # Commands register themselves on bench_app when their module is imported.
-from nowait.bench import batching, engines, physics  # noqa: E402, F401
+from nowait.bench import batching, cache_modes, engines, physics  # noqa: E402, F401
 from nowait.bench.gateway import register as register_gateway_bench  # noqa: E402
 
 register_gateway_bench(bench_app)
