@@ -172,3 +172,15 @@ def test_throughput_helpers_on_a_constant_timer():
     assert single_stream_tokens_per_s(ar, 50, 100) == pytest.approx(1.0)
     assert replica_tokens_per_s(ar, 10, 50, 100) == pytest.approx(100 / 11)
     assert math.isclose(DiffusionServing(model=RecordingTimer(), cache="block").tokens_per_step, 32)
+
+
+def test_dual_blocks_refreshes_two_blocks_over_the_cache():
+    """The engine's default refresh: two blocks of new tokens reading prompt, earlier answer and
+    suffix from the cache, where Fast-dLLM's dual cache recomputes the whole context."""
+    timer = RecordingTimer()
+    serving = DiffusionServing(model=timer, cache="dual-blocks", block_width=32, tokens_per_forward=8)
+    assert serving.step_seconds(1, 500, 100) == 4  # 32 / 8 forwards, each 1 s on this timer
+    assert timer.calls == [(64, 568, 1), (32, 568, 1)]  # the refresh, then a step (x 3): 500 + 68 cached
+    dual = RecordingTimer()
+    DiffusionServing(model=dual, cache="dual", block_width=32, tokens_per_forward=8).step_seconds(1, 500, 100)
+    assert dual.calls[0] == (600, 0, 1)  # the whole context, nothing cached

@@ -194,8 +194,9 @@ def run_eval(model: Transformer, codec: TextCodec, engine: str, n: int, split: s
     if options is not None:
         settings.update(policy=options.policy, tau=options.template_tau if structured else options.tau,
                         block=options.template_block if structured
-                        else options.block, cache=options.cache, refresh=options.refresh,
-                        cache_decoded=options.cache_decoded, score=options.score)
+                        else options.block, cache=options.cache, score=options.score)
+        if options.cache == "dual":  # the refresh and settled-token options apply to the dual cache only
+            settings.update(refresh=options.refresh, cache_decoded=options.cache_decoded)
     return {**result, "settings": settings}
 
 

@@ -159,7 +159,9 @@ class _Scheduler:
         self.active.extend(joining)
 
     def _refresh(self, indices: list[int]) -> None:
-        """Recompute the whole window of rows starting a block, writing its keys/values."""
+        """Rows starting a block recompute their window (refresh="window"; the first block
+        always), or the finished block and the new one (refresh="blocks"), writing the keys and
+        values; its logits are the block's first step."""
         rows = [self.active[i] for i in indices]
         spans = [row.prepare_refresh(self.cache, i) for i, row in zip(indices, rows, strict=True)]
         whole = len(indices) == len(self.active)

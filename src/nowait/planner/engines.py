@@ -105,7 +105,7 @@ class SpeculativeServing:
         return input_tokens + output_tokens + self.gamma
 
 
-DIFFUSION_CACHE_MODES = ("none", "prefix", "dual", "block")
+DIFFUSION_CACHE_MODES = ("none", "prefix", "dual", "dual-blocks", "block")
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,10 @@ class DiffusionServing:
       prefix - Fast-dLLM prefix cache: a full forward refreshes the cache at each block start, the
                others run over the current block and the masked suffix after it;
       dual   - Fast-dLLM dual cache: a full refresh per block, the others over the current block only;
+      dual-blocks - the nowait engine's default (`refresh="blocks"`): each block's refresh runs over
+               the finished block and the new one, reading the prompt, the earlier answer and the
+               suffix from the cache; the others over the current block (a shrinking open range
+               with `cache_decoded`, not modelled: an upper bound);
       block  - prompt prefilled once and each committed block appended to the cache (exact under a
                block-causal mask): every forward over the current block, plus one forward per block
                to write the committed block's keys and values.
@@ -148,6 +152,9 @@ class DiffusionServing:
             return forwards * self.model(whole, 0, batch)
         if self.cache == "block":
             return (forwards + 1) * self.model(width, mean_context, batch)
+        if self.cache == "dual-blocks":
+            context = mean_context + suffix
+            return self.model(2 * width, context, batch) + (forwards - 1) * self.model(width, context, batch)
         refresh = self.model(whole, 0, batch)
         if self.cache == "prefix":
             cached_forward = self.model(width + suffix, mean_context, batch)

@@ -193,7 +193,7 @@ class DiffusionSettings(Strict):
     model: ModelRef | None = Field(None, description="default: the scenario's model, as a diffusion LM")
     block_width: int = Field(32, ge=1)
     tokens_per_forward: float = Field(4.0, gt=0, description="tokens committed per forward, on average")
-    cache: Literal["none", "prefix", "dual", "block"] = "dual"
+    cache: Literal["none", "prefix", "dual", "dual-blocks", "block"] = "dual"
     max_batch: int = Field(64, ge=1)
     fallback_rate: float = Field(0.03, ge=0, le=1, description="share of answers below the confidence threshold")
 
