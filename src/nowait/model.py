@@ -303,8 +303,7 @@ class Transformer(nn.Module):
         """Logits [B, T, vocab] for `input_ids` [B, T].
 
         Without a cache: a plain forward, causal or bidirectional per the config; an optional
-        boolean `attention_mask` [B, T, T] (True = may attend) replaces the default pattern (with
-        a cache, only for a prefill into an empty one: it then restricts the cache's pattern).
+        boolean `attention_mask` [B, T, T] (True = may attend) replaces the default pattern.
         With a cache: the new tokens sit after each row's cached prefix. `valid_lengths[b]`
         counts the real tokens of row b (the rest is right padding). `write_cache=True`
         appends them to the cache (AR prefill/decode); False lets them attend to the prefix and
@@ -326,16 +325,7 @@ class Transformer(nn.Module):
         if mask is not None:
             mask = mask[:, None]
         if cache is not None:
-            cache_mask, write_positions, key_slots = self._cache_mask(cache, length, valid_lengths, write_cache,
-                                                                      padded)
-            if attention_mask is not None:
-                # A pattern over the new tokens: a prefill into an empty cache, whose key slots
-                # are then exactly the new tokens (a diffusion prompt and window in one forward).
-                if not write_cache or bool((cache.lengths != 0).any()):
-                    raise ValueError("attention_mask with a cache: only for a prefill into an empty cache")
-                mask = mask if cache_mask is None else cache_mask & mask
-            else:
-                mask = cache_mask
+            mask, write_positions, key_slots = self._cache_mask(cache, length, valid_lengths, write_cache, padded)
         elif mask is None and (not c.causal) and bool((valid_lengths < length).any()):
             mask = key_padding_mask(valid_lengths, length)[:, None, None, :].expand(batch, 1, length, length)
         x = self.embed_tokens(input_ids)

@@ -27,8 +27,7 @@ def pad_spans(spans: list[Tensor], starts: list[int], pad_id: int) -> tuple[Tens
 
 
 def forward_spans(model: Transformer, spans: list[Tensor], starts: list[int], pad_id: int,
-                  cache: KVCache | None = None, write: bool = False, outputs: Tensor | None = None,
-                  attention_mask: Tensor | None = None) -> Tensor:
+                  cache: KVCache | None = None, write: bool = False, outputs: Tensor | None = None) -> Tensor:
     """Logits [B, T, vocab] of each row's span, or [B, K, vocab] at `outputs` [B, K] (offsets
     into each span: only the positions a step decides are projected onto the vocabulary).
 
@@ -40,18 +39,8 @@ def forward_spans(model: Transformer, spans: list[Tensor], starts: list[int], pa
     if len(spans) == 1:
         valid = None  # one row has no padding: the model takes its unmasked, slice-written path
     if cache is None:
-        return model(ids, valid_lengths=valid, output_positions=outputs, attention_mask=attention_mask)
-    return model(ids, cache, valid_lengths=valid, write_cache=write, positions=positions, output_positions=outputs,
-                 attention_mask=attention_mask)
-
-
-def isolated_prompt_masks(prompt_lengths: list[int], width: int, device: torch.device) -> Tensor:
-    """[B, width, width]: each row's first `prompt_lengths[b]` tokens attend only to each other,
-    the rest to everything (`nowait.model.block_causal_mask` per row, for right-padded rows)."""
-    query = torch.arange(width, device=device)[None, :, None]
-    key = torch.arange(width, device=device)[None, None, :]
-    prompt = torch.tensor(prompt_lengths, device=device)[:, None, None]
-    return (query >= prompt) | (key < prompt)
+        return model(ids, valid_lengths=valid, output_positions=outputs)
+    return model(ids, cache, valid_lengths=valid, write_cache=write, positions=positions, output_positions=outputs)
 
 
 def output_window(firsts: list[int], counts: list[int], device: torch.device) -> Tensor:

@@ -24,9 +24,7 @@ import torch
 
 from nowait.engines.base import Completion, GenerationRequest, StreamChunk
 from nowait.engines.diffusion_cache import (
-    empty_cache,
     forward_spans,
-    isolated_prompt_masks,
     output_window,
     prefill,
     put_rows,
@@ -152,35 +150,13 @@ class _Scheduler:
             # Room for a refresh: a row's cached prompt plus the longest window of the batch.
             capacity = max(max(r.total_length for r in everyone) + max(r.window_length for r in everyone) + 1,
                            self.capacity)
-            if self.cache_mode in ("prefix", "dual"):
-                fresh = self._prefill_and_refresh(joining, capacity)
-            else:
-                prefixes = [row.tokens[: row.prompt_prefix] for row in joining]
-                fresh = prefill(self.model, prefixes, capacity, self.pad_id)
-                for row in joining:
-                    row.forwards += row.prompt_prefix > 0
+            prefixes = [row.tokens[: row.prompt_prefix] for row in joining]
+            fresh = prefill(self.model, prefixes, capacity, self.pad_id)
+            for row in joining:
+                row.forwards += row.prompt_prefix > 0
             self.cache = fresh if self.cache is None else stack_caches(self.model, self.cache, fresh, capacity)
             self.capacity = capacity
         self.active.extend(joining)
-
-    def _prefill_and_refresh(self, joining: list[RowState], capacity: int) -> KVCache:
-        """The prompts' prefill and the first blocks' refresh in one forward: each row's prompt
-        attends only to itself (what a prefill computes) and its window to everything (what the
-        refresh over the cached prompt computes), so the result is theirs, a forward cheaper."""
-        cache = empty_cache(self.model, len(joining), capacity)
-        spans = [row.tokens for row in joining]
-        width = max(len(span) for span in spans)
-        masks = isolated_prompt_masks([row.prompt_prefix for row in joining], width, cache.lengths.device)
-        blocks = [row.block_offsets(0) for row in joining]
-        outputs = output_window([first for first, _ in blocks], [count for _, count in blocks], cache.lengths.device)
-        logits = forward_spans(self.model, spans, [0] * len(joining), self.pad_id, cache, write=True,
-                               outputs=outputs, attention_mask=masks)
-        for k, row in enumerate(joining):
-            row.forwards += 1
-            row.needs_refresh = False
-            row.decide(logits[k, : blocks[k][1]])
-            row.keep_block_cache(cache, k, self.cache_mode)
-        return cache
 
     def _refresh(self, indices: list[int]) -> None:
         """Rows starting a block recompute their window (refresh="window"; the first block
