@@ -40,26 +40,23 @@ def measure_cache_modes(model: Transformer, codec: TextCodec, docs: list[Documen
     the first configuration's (the ratio of decodes of the same document, seconds apart)."""
     import numpy as np
 
-    from nowait.engines.base import GenerationRequest, SamplingParams
+    from nowait.bench.ar_entries import completion_metrics, document_request
     from nowait.engines.diffusion_engine import DiffusionEngine
-    from nowait.evaluation import ANSWER_WINDOW, DecodeRecord, speed_summary
-    from nowait.extraction.scorer import score_document, summarize
-    from nowait.tokenizer import extraction_prompt
 
     engines = {name: DiffusionEngine(model, codec, options, max_batch=1) for name, options in configs.items()}
-    records: dict[str, list[DecodeRecord]] = {name: [] for name in configs}
+    completions: dict[str, list] = {name: [] for name in configs}
     for doc in docs:
-        prompt = codec.encode(extraction_prompt(doc.kind, doc.text))
         for name, engine in engines.items():
-            [c] = engine.generate([GenerationRequest(prompt, SamplingParams(max_tokens=ANSWER_WINDOW))])
-            records[name].append(DecodeRecord(c.text, c.forwards, c.completion_tokens, c.timings.total_s))
-    baseline = records[next(iter(configs))]
+            completions[name] += engine.generate([document_request(doc, codec)])
+    baseline = completions[next(iter(configs))]
     results = []
-    for name, decoded in records.items():
-        scores = summarize(score_document(r.text, d.fields, d.kind) for r, d in zip(decoded, docs, strict=True))
-        ratio = np.median([r.latency_s / b.latency_s for r, b in zip(decoded, baseline, strict=True)])
-        results.append({"name": name, **{k: scores[k] for k in ("field_accuracy", "json_valid_rate")},
-                        **speed_summary(decoded), "latency_ratio_median": round(float(ratio), 3)})
+    for name, decoded in completions.items():
+        metrics = completion_metrics(decoded, docs)
+        ratio = np.median([c.timings.total_s / b.timings.total_s for c, b in zip(decoded, baseline, strict=True)])
+        results.append({"name": name, **{k: metrics[k] for k in ("field_accuracy", "json_valid_rate",
+                                                                  "forwards_per_doc", "tokens_per_forward",
+                                                                  "latency_ms_p50", "latency_ms_p95")},
+                        "latency_ratio_median": round(float(ratio), 3)})
     return results
 
 

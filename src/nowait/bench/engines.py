@@ -126,35 +126,27 @@ def interleaved_vs_ar(ctx: BenchContext, options) -> dict:
 
     import numpy as np
 
+    from nowait.bench.ar_entries import completion_metrics, document_request
     from nowait.engines.autoregressive import greedy_decode
-    from nowait.engines.base import GenerationRequest, SamplingParams
     from nowait.engines.diffusion_engine import DiffusionEngine
-    from nowait.evaluation import ANSWER_WINDOW
     from nowait.extraction.scorer import score_document, summarize
-    from nowait.tokenizer import extraction_prompt
 
     ar, diffusion = ctx.model("ar"), ctx.model("diffusion")
     engine = DiffusionEngine(diffusion.model.eval(), diffusion.codec, options, max_batch=1)
-    ar_ms, diffusion_ms, ar_texts, diffusion_texts = [], [], [], []
+    ar_ms, ar_texts, completions = [], [], []
     for doc in ctx.docs:
-        prompt = extraction_prompt(doc.kind, doc.text)
-        ids = ar.codec.encode(prompt)
+        request = document_request(doc, ar.codec)
         started = time.perf_counter()
-        output = greedy_decode(ar.model.eval(), [ids], ANSWER_WINDOW, ar.codec.end_id)[0]
+        output = greedy_decode(ar.model.eval(), [request.prompt_ids], request.sampling.max_tokens, ar.codec.end_id)[0]
         ar_ms.append((time.perf_counter() - started) * 1000)
         ar_texts.append(ar.codec.decode(output))
-        [completion] = engine.generate([GenerationRequest(diffusion.codec.encode(prompt),
-                                                          SamplingParams(max_tokens=ANSWER_WINDOW))])
-        diffusion_ms.append(completion.timings.total_s * 1000)
-        diffusion_texts.append(completion.text)
-
-    def accuracy(texts: list[str]) -> float:
-        return summarize(score_document(t, d.fields, d.kind) for t, d in zip(texts, ctx.docs, strict=True))[
-            "field_accuracy"]
-    ar_p50, diffusion_p50 = float(np.percentile(ar_ms, 50)), float(np.percentile(diffusion_ms, 50))
+        completions += engine.generate([document_request(doc, diffusion.codec)])
+    ar_accuracy = summarize(score_document(t, d.fields, d.kind) for t, d in zip(ar_texts, ctx.docs, strict=True))
+    decoded = completion_metrics(completions, ctx.docs)
+    ar_p50, diffusion_p50 = float(np.percentile(ar_ms, 50)), decoded["latency_ms_p50"]
     return {"ar_latency_ms_p50": round(ar_p50, 2), "diffusion_latency_ms_p50": round(diffusion_p50, 2),
             "speedup_p50_vs_ar": round(ar_p50 / max(diffusion_p50, 1e-9), 3),
-            "ar_field_accuracy": accuracy(ar_texts), "diffusion_field_accuracy": accuracy(diffusion_texts)}
+            "ar_field_accuracy": ar_accuracy["field_accuracy"], "diffusion_field_accuracy": decoded["field_accuracy"]}
 
 
 @register_entry("diffusion-structured")

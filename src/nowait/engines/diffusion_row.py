@@ -190,12 +190,12 @@ class RowState:
             return  # the block is complete; its refresh recomputes it
         block_lo = self.block[0]
         next_lo, next_hi = block_lo + min(moving), block_lo + max(moving) + 1
-        # Span slot j holds absolute position P + lo - shift + j.
-        kept = [*range(next_lo - lo), *range(next_hi - lo + self.shift, hi - lo + self.shift)]
-        keep_slot_runs(cache, row, [(0, written_at + next_lo - lo),
-                                    (written_at + next_hi - lo + self.shift, written_at + hi - lo + self.shift)])
+        # Span slot j holds absolute position P + lo - shift + j: keep its slots before the next
+        # open range and after it.
+        kept = [(0, next_lo - lo), (next_hi - lo + self.shift, hi - lo + self.shift)]
+        keep_slot_runs(cache, row, [(0, written_at), *((written_at + a, written_at + b) for a, b in kept)])
         first = self.prompt_length + lo - self.shift
-        self._settled += [first + j for j in kept]
+        self._settled += [first + j for a, b in kept for j in range(a, b)]
         self.open_range = (next_lo, next_hi)
 
     # --- one step ---
