@@ -15,6 +15,7 @@ from nowait.engines.speculative import (
     expected_tokens_per_pass,
     greedy_accept,
     proposal_distributions,
+    propose_from_draft,
     propose_ngram,
     should_speculate,
     speculative_accept,
@@ -358,3 +359,145 @@ def test_seeded_sampling_alone_equals_batched_when_speculating(target):
 
     alone = [engine.generate(run({i}))[0].token_ids for i in range(len(ids))]
     assert [c.token_ids for c in engine.generate(run(set(range(len(ids)))))] == alone
+
+
+# --- speculative diffusion decoding: a drafted answer, verified by the target ---
+
+
+def test_a_drafted_answer_is_proposed_from_where_the_output_stands():
+    draft = [10, 11, 12, 13, 14, 15, 16]
+    assert propose_from_draft(draft, [], 3) == ([10, 11, 12], 0)
+    assert propose_from_draft(draft, [10, 11, 12], 2) == ([13, 14], 0)
+    assert propose_from_draft(draft, [10, 11], 0) == ([], 0)
+    # The target replaced 12 by 99: the draft goes on where it stood (13 ...), alignment kept.
+    assert propose_from_draft(draft, [10, 11, 99], 3) == ([13, 14, 15], 0)
+    # The target inserted 99 after 12: its next tokens, 13 14 ..., are re-found one later.
+    assert propose_from_draft(draft, [10, 11, 12, 99, 13, 14], 2) == ([15, 16], -1)
+    # The target skipped 12: "11 13" is not in the draft, "13 14" after it is, one earlier.
+    assert propose_from_draft(draft, [10, 11, 13, 14], 2, shift=0) == ([15, 16], 1)
+    # A shift found once is kept: the output standing at 5 is at 6 in the draft.
+    assert propose_from_draft(draft, [10, 11, 12, 99, 13], 2, shift=-1, min_ngram=3) == ([14, 15], -1)
+
+
+def test_a_repeated_pattern_is_matched_nearest_the_alignment():
+    draft = [1, 2, 3, 7, 1, 2, 3, 8, 1, 2, 3, 9]
+    # "1 2 3" ends at 3, 7 and 11: the output stands at 7, so 8 follows
+    assert propose_from_draft(draft, [1, 2, 3, 7, 1, 2, 3], 1) == ([8], 0)
+    assert propose_from_draft(draft, [5, 5, 5, 1, 2, 3], 1, shift=4) == ([9], 5)
+
+
+def test_propose_from_draft_never_proposes_past_the_draft():
+    assert propose_from_draft([4, 5], [4, 5], 3) == ([], 0)
+    assert propose_from_draft([4, 5], [4, 5, 6, 7, 8], 3) == ([], 0)
+
+
+@pytest.fixture(scope="module")
+def drafter(codec):
+    from nowait.engines.diffusion_engine import DiffusionEngine
+
+    model = build_model(5, vocab_size=codec.vocab_size, causal=False, mask_token_id=codec.mask_id)
+    return DiffusionEngine(model, codec, max_batch=4)
+
+
+@pytest.fixture(scope="module")
+def codec_target(codec):
+    return build_model(0, vocab_size=codec.vocab_size)
+
+
+def codec_prompts(codec, count: int) -> list[list[int]]:
+    return [codec.encode(f"Invoice {n}: total {n * 17} EUR, due {n + 3} days.") for n in range(count)]
+
+
+@pytest.mark.parametrize("max_batch", [1, 4])  # speculating alone, and in a batch of three
+def test_a_diffusion_drafter_leaves_greedy_output_the_targets(codec, codec_target, drafter, max_batch):
+    """A random diffusion model drafts answers the target mostly rejects: the output is still
+    the target's own, alone and batched, and the drafter's forwards are counted."""
+    ids = codec_prompts(codec, 3)
+    reference = AutoregressiveEngine(codec_target, codec).generate(greedy_requests(ids, max_tokens=16))
+    engine = SpeculativeEngine(codec_target, codec, drafter=drafter,
+                               speculative=SpeculativeConfig(method="diffusion", gamma=8, max_batch=max_batch))
+    batched = engine.generate(greedy_requests(ids, max_tokens=16))
+    alone = [engine.generate(greedy_requests([p], max_tokens=16))[0] for p in ids]
+    for run in (batched, alone):
+        assert [c.token_ids for c in run] == [c.token_ids for c in reference]
+        assert [c.finish_reason for c in run] == [c.finish_reason for c in reference]
+    assert all(c.draft_forwards > 0 for c in alone) and sum(c.draft_tokens_proposed for c in alone) > 0
+
+
+def test_a_right_drafted_answer_is_verified_in_few_forwards(codec, codec_target, drafter):
+    """`draft_ids` = the target's own answer: everything is accepted, gamma tokens per verify,
+    and the drafter never runs. A draft with one token replaced, one dropped and one added
+    still gives the target's output, re-aligning after each miss."""
+    prompt = codec_prompts(codec, 1)[0]
+    answer = AutoregressiveEngine(codec_target, codec).generate(greedy_requests([prompt], max_tokens=30))[0]
+    assert len(answer.token_ids) == 30
+    engine = SpeculativeEngine(codec_target, codec, drafter=drafter,
+                               speculative=SpeculativeConfig(method="diffusion", gamma=8))
+    right = engine.generate([GenerationRequest(prompt, SamplingParams(max_tokens=30), draft_ids=answer.token_ids)])[0]
+    assert right.token_ids == answer.token_ids and right.draft_forwards == 0
+    assert right.acceptance_rate == 1.0
+    # prefill (1 token) + verifies of pending + 8: 1 + 9 + 9 + 9 = 28, then the last 2
+    assert right.forwards == 1 + 4
+    ids = list(answer.token_ids)
+    wrong = [*ids[:5], (ids[5] + 1) % codec.vocab_size, *ids[6:12], *ids[13:20], ids[20], ids[20], *ids[21:]]
+    fixed = engine.generate([GenerationRequest(prompt, SamplingParams(max_tokens=30), draft_ids=wrong)])[0]
+    assert fixed.token_ids == answer.token_ids
+    # three misses, each costing about one verify more than the right draft's four
+    assert fixed.draft_tokens_accepted >= 24 and fixed.forwards <= 1 + 4 + 1
+
+
+def test_a_drafted_answer_is_proposed_with_the_end_token_after_it(codec, codec_target, drafter):
+    """The end token follows a drafted answer, so the verify that accepts the answer also ends
+    the sequence (here the target's end token is one its answer reaches)."""
+    prompt = codec_prompts(codec, 2)[1]
+    free = AutoregressiveEngine(codec_target, codec).generate(greedy_requests([prompt], max_tokens=12))[0]
+    cut = next(i for i in range(4, 12) if free.token_ids[i] not in free.token_ids[:i])
+    end = free.token_ids[cut]
+    engine = SpeculativeEngine(codec_target, codec, end_id=end, drafter=drafter,
+                               speculative=SpeculativeConfig(method="diffusion", gamma=16))
+    request = GenerationRequest(prompt, SamplingParams(max_tokens=12), draft_ids=free.token_ids[:cut])
+    done = engine.generate([request])[0]
+    assert done.token_ids == free.token_ids[:cut] and done.finish_reason == "stop"
+    assert done.forwards == 2  # the prefill, and one verify that accepts the answer and its end
+
+
+def test_seeded_sampling_with_a_drafted_answer_alone_equals_batched(codec, codec_target, drafter):
+    ids = codec_prompts(codec, 3)
+    engine = SpeculativeEngine(codec_target, codec, drafter=drafter,
+                               speculative=SpeculativeConfig(method="diffusion", gamma=4, max_batch=8))
+
+    def run(batch):
+        return [GenerationRequest(p, SamplingParams(max_tokens=10, temperature=1.0, seed=i))
+                for i, p in enumerate(ids) if i in batch]
+
+    alone = [engine.generate(run({i}))[0].token_ids for i in range(len(ids))]
+    assert [c.token_ids for c in engine.generate(run(set(range(len(ids)))))] == alone
+
+
+def test_a_prompt_the_drafter_refuses_decodes_without_proposals(codec, drafter):
+    """The drafter's window does not fit (prompt + max_tokens past its positions): the target
+    decodes alone, and still gives its own output."""
+    target = build_model(0, vocab_size=codec.vocab_size, max_position=1024)
+    prompt = codec_prompts(codec, 1)[0] * 30  # about 500 tokens: + 16 fits the target, not the drafter's 512
+    reference = AutoregressiveEngine(target, codec).generate(greedy_requests([prompt], max_tokens=16))[0]
+    engine = SpeculativeEngine(target, codec, drafter=drafter, speculative=SpeculativeConfig(method="diffusion"))
+    done = engine.generate(greedy_requests([prompt], max_tokens=16))[0]
+    assert done.token_ids == reference.token_ids and done.draft_tokens_proposed == 0
+
+
+def test_a_drafter_that_cannot_serve_the_target_is_refused(codec, codec_target, drafter):
+    from nowait.engines.base import InvalidRequestError
+    from nowait.engines.diffusion_engine import DiffusionEngine
+
+    with pytest.raises(IncompatibleDraftError, match="diffusion drafter"):
+        SpeculativeEngine(codec_target, codec, speculative=SpeculativeConfig(method="diffusion"))
+    with pytest.raises(IncompatibleDraftError, match="vocabulary"):
+        SpeculativeEngine(build_model(0), codec, drafter=drafter, speculative=SpeculativeConfig(method="diffusion"))
+    other = DiffusionEngine(drafter.model, swapped_codec(codec))
+    with pytest.raises(IncompatibleDraftError, match="tokenizer"):
+        SpeculativeEngine(codec_target, codec, drafter=other, speculative=SpeculativeConfig(method="diffusion"))
+    with pytest.raises(ValueError, match="drafter_tau"):
+        SpeculativeConfig(method="diffusion", drafter_tau=0.0).validate()
+    engine = SpeculativeEngine(codec_target, codec, drafter=drafter, speculative=SpeculativeConfig(method="diffusion"))
+    with pytest.raises(InvalidRequestError, match="draft_ids"):
+        engine.generate([GenerationRequest([5, 6], draft_ids=[codec.vocab_size])])

@@ -148,11 +148,13 @@ def evaluate(
     structured: bool = typer.Option(False, "--structured", help="JSON valid for the document kind's schema: "
                                     "template infilling (diffusion) or a grammar (ar, spec)"),
     method: str = typer.Option("hybrid", help="spec: hybrid (prompt lookup, else the draft model), draft (the "
-                                              "draft model) or ngram (prompt lookup, no draft)"),
+                                              "draft model), ngram (prompt lookup, no draft) or diffusion (the "
+                                              "diffusion model drafts the answer)"),
     gamma: int = typer.Option(None, help="spec: tokens proposed per target pass, at most (default: the method's "
                                          "tuned setting)"),
     draft: str = typer.Option(None, help="spec: draft checkpoint directory for methods hybrid and draft "
-                                         "(default: the bundled draft)"),
+                                         "(default: the bundled draft), or the diffusion checkpoint for method "
+                                         "diffusion (default: the bundled diffusion)"),
     threads: int = typer.Option(None, help="CPU threads (default: torch's choice)"),
     device: str = typer.Option("cpu", help="cpu, cuda or cuda:N (engines ar and diffusion)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
@@ -236,7 +238,12 @@ def _build_ar_engine(loaded, engine: str, batch_size: int, structured: bool, met
 
     if engine != "spec":
         return build_ar_engine(loaded.model, loaded.codec, structured, config=EngineConfig(max_num_seqs=batch_size))
-    draft_loaded = _load_model(draft or "draft", engine) if spec_settings(method).uses_draft else None
+    settings = spec_settings(method)
+    draft_loaded = None
+    if settings.uses_draft:
+        draft_loaded = _load_model(draft or "draft", engine)
+    elif settings.uses_drafter:
+        draft_loaded = _load_model(draft or "diffusion", "diffusion")
     try:
         return build_spec_engine(loaded.model, loaded.codec, method, draft_loaded.model if draft_loaded else None,
                                  gamma, structured, config=EngineConfig(max_num_seqs=1),

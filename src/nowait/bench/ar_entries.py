@@ -42,12 +42,25 @@ def build_spec_engine(model: Transformer, codec: TextCodec, method: str = "ngram
                       gamma: int | None = 4, structured: bool = False, config: EngineConfig | None = None,
                       draft_codec: TextCodec | None = None) -> SpeculativeEngine:
     """The speculative engine with `method`'s bench settings (`SPEC_SETTINGS`), `gamma`
-    overriding theirs unless None. Give `draft_codec` (the draft checkpoint's tokenizer) to
-    have a draft trained on another tokenizer of the same size refused rather than proposing
+    overriding theirs unless None. `draft`: the causal draft (methods draft, hybrid) or the
+    diffusion model (method diffusion). Give `draft_codec` (the draft checkpoint's tokenizer)
+    to have a draft trained on another tokenizer of the same size refused rather than proposing
     tokens that mean something else."""
     grammar = grammar_for(model, codec) if structured else None
+    settings = spec_settings(method, gamma)
+    if settings.uses_drafter:
+        drafter = build_drafter(draft, draft_codec or codec, settings.max_batch) if draft is not None else None
+        return SpeculativeEngine(model, codec, config, grammar=grammar, speculative=settings, drafter=drafter)
     return SpeculativeEngine(model, codec, config, draft=draft, grammar=grammar, draft_codec=draft_codec,
-                             speculative=spec_settings(method, gamma))
+                             speculative=settings)
+
+
+def build_drafter(model: Transformer, codec: TextCodec, max_batch: int = 4):
+    """The diffusion engine that drafts answers for method diffusion (its fast default; the
+    speculative settings' `drafter_tau` goes with each drafting request)."""
+    from nowait.engines.diffusion_engine import DiffusionEngine
+
+    return DiffusionEngine(model, codec, max_batch=max_batch)
 
 
 def spec_settings(method: str, gamma: int | None = None) -> SpeculativeConfig:
@@ -131,11 +144,13 @@ def _identical(a: list[Completion], b: list[Completion]) -> bool:
 
 def spec_entry(model: Transformer, codec: TextCodec, docs: list[Document], draft: Transformer | None = None,
                methods: tuple[str, ...] = SPEC_METHODS, gamma: int | None = None,
-               draft_codec: TextCodec | None = None) -> dict:
+               draft_codec: TextCodec | None = None, drafter: Transformer | None = None,
+               drafter_codec: TextCodec | None = None) -> dict:
     """`nowait bench engines` entry `spec`: AR + the best speculative method at batch size 1.
 
     Plain AR (`greedy_decode`, and the AR engine) and each method (`SPEC_SETTINGS`, `gamma`
-    overriding theirs) decode the same documents one at a time, taking turns on each document
+    overriding theirs; `draft` is the causal draft model, `drafter` the diffusion model; a
+    method whose model is missing is left out) decode the same documents one at a time, taking turns on each document
     so that a shared machine's changing load hits them alike. The entry carries the best
     method's eval fields (lowest p50 latency), its speed-up over plain AR, whether every
     method's greedy output equals plain AR's, and the other methods beside it.
@@ -143,11 +158,17 @@ def spec_entry(model: Transformer, codec: TextCodec, docs: list[Document], draft
     config = EngineConfig(max_num_seqs=1)
     engines: dict[str, AutoregressiveEngine] = {"ar": AutoregressiveEngine(model, codec, config)}
     for method in methods:
-        if SPEC_SETTINGS.get(method, SpeculativeConfig(method=method)).uses_draft and draft is None:
-            continue
-        engines[method] = build_spec_engine(model, codec, method, draft, gamma, config=config, draft_codec=draft_codec)
+        settings = spec_settings(method)
+        if settings.uses_drafter:
+            if drafter is not None:
+                engines[method] = build_spec_engine(model, codec, method, drafter, gamma, config=config,
+                                                    draft_codec=drafter_codec)
+        elif not settings.uses_draft or draft is not None:
+            engines[method] = build_spec_engine(model, codec, method, draft, gamma, config=config,
+                                                draft_codec=draft_codec)
     if len(engines) == 1:
-        raise ValueError("no speculative method to run (methods 'draft' and 'hybrid' need a draft model)")
+        raise ValueError("no speculative method to run (methods 'draft' and 'hybrid' need a draft model, "
+                         "'diffusion' a diffusion model)")
     completions: dict[str, list[Completion]] = {name: [] for name in engines}
     greedy_ms, greedy_ids = [], []
     for doc in docs:
@@ -167,7 +188,8 @@ def spec_entry(model: Transformer, codec: TextCodec, docs: list[Document], draft
         p50 = max(metrics["latency_ms_p50"], 1e-9)
         results[method] = {
             **metrics, "gamma": settings.gamma, "draft_confidence": settings.draft_confidence,
-            "lookup_gamma": settings.lookup_gamma, "greedy_identical_to_ar": _identical(decoded, baseline),
+            "lookup_gamma": settings.lookup_gamma, "drafter_tau": settings.drafter_tau,
+            "greedy_identical_to_ar": _identical(decoded, baseline),
             "speedup_p50_vs_ar": plain["latency_ms_p50"] / p50,
             "speedup_p50_vs_greedy_decode": plain["greedy_decode_latency_ms_p50"] / p50,
         }

@@ -159,42 +159,52 @@ def diffusion_structured_entry(ctx: BenchContext) -> dict:
 
 @register_entry("spec")
 def spec_bench_entry(ctx: BenchContext) -> dict:
-    """AR + the best speculative method at batch size 1 (hybrid, draft model, prompt lookup)."""
+    """AR + the best speculative method at batch size 1 (diffusion drafter, hybrid, draft
+    model, prompt lookup)."""
     from nowait.bench.ar_entries import spec_entry
+    from nowait.engines.speculative import check_draft, check_drafter_model
 
     loaded = ctx.model("ar")
-    draft, refused = _spec_draft(ctx, loaded)
+    draft, draft_refused = _spec_helper(ctx, loaded, "draft", check_draft)
+    drafter, drafter_refused = _spec_helper(ctx, loaded, "diffusion", check_drafter_model)
     entry = spec_entry(loaded.model, loaded.codec, ctx.docs, draft=draft.model if draft else None,
-                       draft_codec=draft.codec if draft else None)
-    return {**entry, "draft_refused": refused} if refused else entry
+                       draft_codec=draft.codec if draft else None, drafter=drafter.model if drafter else None,
+                       drafter_codec=drafter.codec if drafter else None)
+    if draft_refused:
+        entry["draft_refused"] = draft_refused
+    if drafter_refused:
+        entry["drafter_refused"] = drafter_refused
+    return entry
 
 
-def _spec_draft(ctx: BenchContext, target: LoadedModel) -> tuple[LoadedModel | None, str | None]:
-    """The draft for the `spec` entry, or None and why not.
+def _spec_helper(ctx: BenchContext, target: LoadedModel, role: str,
+                 check: Callable) -> tuple[LoadedModel | None, str | None]:
+    """The draft (role "draft") or diffusion drafter (role "diffusion") for the `spec` entry,
+    or None and why not.
 
-    A draft named with --draft-model must fit the target (else BenchError). The bundled draft
-    is tried only with the bundled AR model, and when its tokenizer no longer matches (the AR
-    model was retrained with a new tokenizer and the draft not yet) it is left out with the
-    reason: prompt lookup, which needs no draft, still runs.
+    A model named with --draft-model / --diffusion-model must fit the target (else BenchError).
+    A bundled one is tried only with the bundled AR model, and when its tokenizer no longer
+    matches (the AR model was retrained with a new tokenizer and it not yet) it is left out with
+    the reason: the methods that need it are skipped, prompt lookup still runs.
     """
-    from nowait.engines.speculative import IncompatibleDraftError, check_draft
+    from nowait.engines.speculative import IncompatibleDraftError
 
-    named = bool(ctx.model_paths.get("draft"))
+    named = bool(ctx.model_paths.get(role))
     if named:
-        draft = ctx.model("draft")
+        helper = ctx.model(role)
     elif not ctx.model_paths.get("ar"):
-        draft = ctx.optional_model("draft")
+        helper = ctx.optional_model(role)
     else:
         return None, None
-    if draft is None:
+    if helper is None:
         return None, None
     try:
-        check_draft(target.model, draft.model, target.codec, draft.codec)
+        check(target.model, helper.model, target.codec, helper.codec)
     except IncompatibleDraftError as error:
         if named:
-            raise BenchError(f"draft model {draft.path}: {error}") from None
-        return None, f"{draft.path}: {error}"
-    return draft, None
+            raise BenchError(f"{role} model {helper.path}: {error}") from None
+        return None, f"{helper.path}: {error}"
+    return helper, None
 
 
 @register_entry("ar-structured")
@@ -305,8 +315,16 @@ def _print_table(report: dict) -> None:
     console.print(table)
     for e in report["engines"]:
         if e.get("draft_refused"):
-            console.print(f"{e['name']}: draft left out ({e['draft_refused']}); ran prompt lookup only",
+            console.print(f"{e['name']}: draft left out ({e['draft_refused']}); methods draft and hybrid skipped",
                           highlight=False)
+        if e.get("drafter_refused"):
+            console.print(f"{e['name']}: diffusion drafter left out ({e['drafter_refused']}); method diffusion "
+                          "skipped", highlight=False)
+    for e in report["engines"]:
+        for method, m in (e.get("methods") or {}).items():
+            console.print(f"{e['name']} {method}: p50 {m['latency_ms_p50']:.1f} ms, {m['speedup_p50_vs_ar']:.2f}x "
+                          f"vs the AR engine taking turns, acceptance {m.get('acceptance_rate') or 0:.2f}, greedy "
+                          f"output identical to AR: {m['greedy_identical_to_ar']}", highlight=False)
     for e in report["engines"]:
         if e.get("vs_ar_interleaved"):
             h = e["vs_ar_interleaved"]

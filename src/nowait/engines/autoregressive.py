@@ -165,6 +165,9 @@ class AutoregressiveEngine:
         bad = [t for t in request.sampling.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"stop_token_ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        bad = [t for t in request.draft_ids or () if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"draft_ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         if request.schema is not None and self.grammar is None:
             raise InvalidRequestError("schema: this engine was built without a grammar compiler")
 

@@ -41,7 +41,9 @@ class SamplingParams:
 @dataclass
 class GenerationRequest:
     """One prompt to complete. `schema` asks for JSON valid for that JSON Schema; `options`
-    carries engine-specific settings (diffusion: policy, tau, block, cache)."""
+    carries engine-specific settings (diffusion: policy, tau, block, cache). `draft_ids`: an
+    answer drafted elsewhere (e.g. the diffusion engine's, on fallback) for a speculative engine
+    with method diffusion to verify instead of drafting one; the output is still the target's."""
 
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -49,6 +51,7 @@ class GenerationRequest:
     options: dict = field(default_factory=dict)
     request_id: str = ""
     arrival_time: float = field(default_factory=time.perf_counter)
+    draft_ids: list[int] | None = None
 
 
 @dataclass

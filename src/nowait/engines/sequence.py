@@ -54,6 +54,10 @@ class Sequence:
         self.draft_proposed = 0
         self.draft_accepted = 0
         self.prompt_lookup: PromptLookup | None = None  # speculative engine's n-gram index of the tokens
+        # Speculative method diffusion: the drafted answer being verified, and where the output
+        # stands in it (draft index minus output index).
+        self.draft_answer: list[int] | None = None
+        self.draft_shift = 0
         self.grammar_mask_s = 0.0
         self.finish_reason: FinishReason | None = None
         self.admitted_time: float | None = None

@@ -16,7 +16,15 @@ Three proposers share one verifier:
   draft started as soon as its tokens match the prompt. A one-token match, or one inside the
   output (keys and punctuation repeat there), proposes mostly noise; a longer match in the
   prompt mostly the right copy; and a looked-up token costs no draft forward, which on small
-  models costs about half a target forward.
+  models costs about half a target forward;
+- **diffusion** (speculative diffusion decoding, Christopher et al. 2024, arXiv 2408.05636): a
+  diffusion model drafts the whole answer in a few parallel forwards (`drafter`, a
+  `DiffusionEngine` with the target's tokenizer), or the request brings a drafted answer
+  (`GenerationRequest.draft_ids`, e.g. a diffusion answer the gateway falls back from); the
+  target then verifies up to `gamma` of its tokens per forward. Where the target disagrees, the
+  rest of the draft usually still fits a token or two later (a value one token longer), so
+  each proposal re-aligns the output's last tokens on the draft (`propose_from_draft`), as
+  prompt lookup does on the prompt.
 
 The target scores the pending token plus the proposals in one forward; proposals are accepted
 left to right with probability min(1, p(x) / q(x)) (p: target, q: draft; the issue writes them
@@ -45,13 +53,14 @@ from __future__ import annotations
 import collections.abc
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from nowait.engines.autoregressive import AutoregressiveEngine, EngineConfig
+from nowait.engines.base import Completion, GenerationRequest, InvalidRequestError, SamplingParams
 from nowait.engines.runner import ModelRunner
 from nowait.engines.sampling import (
     SamplingBatch,
@@ -65,7 +74,10 @@ from nowait.engines.sequence import Sequence
 from nowait.model import Transformer
 from nowait.tokenizer import TextCodec
 
-SpeculativeMethod = Literal["draft", "ngram", "hybrid"]
+if TYPE_CHECKING:  # the diffusion engine loads only where a drafter is given
+    from nowait.engines.diffusion_engine import DiffusionEngine
+
+SpeculativeMethod = Literal["draft", "ngram", "hybrid", "diffusion"]
 
 
 class IncompatibleDraftError(ValueError):
@@ -197,6 +209,32 @@ class PromptLookup:
         return [], 0
 
 
+# Speculative diffusion decoding (Christopher et al. 2024): the proposal is the drafted answer
+# from where the output stands in it; after a disagreement the output is re-aligned on the draft
+# by its last tokens (prompt lookup's rule, Saxena 2023), the occurrence nearest the old alignment.
+def propose_from_draft(draft: list[int], output: list[int], count: int, shift: int = 0,
+                       max_ngram: int = 3, min_ngram: int = 2) -> tuple[list[int], int]:
+    """Up to `count` tokens of `draft` to follow `output`, and the alignment they assume.
+
+    `shift`: draft index minus output index found last time (0 while the output is a prefix of
+    the draft). The output's last n tokens (n from `max_ngram` down to `min_ngram`) are looked
+    up in the draft, and the occurrence that ends nearest `len(output) + shift` wins; when none
+    occurs the last output token is taken to have replaced a draft token (the alignment is
+    kept). Returns the proposal and the new shift.
+    """
+    if count <= 0:
+        return [], shift
+    expected = len(output) + shift
+    for n in range(min(max_ngram, len(output)), min_ngram - 1, -1):
+        suffix = output[len(output) - n:]
+        ends = [end for end in range(n, len(draft) + 1) if draft[end - n: end] == suffix]
+        if ends:
+            end = min(ends, key=lambda e: (abs(e - expected), e))
+            return draft[end: end + count], end - len(output)
+    start = max(0, expected)
+    return draft[start: start + count], shift
+
+
 def should_speculate(batch_size: int, gamma: int, max_batch: int, token_cap: int) -> bool:
     """The rule for skipping speculation (see the module docstring)."""
     return gamma > 0 and batch_size <= max_batch and batch_size * (gamma + 1) <= token_cap
@@ -213,6 +251,19 @@ def check_draft(target: Transformer, draft: Transformer, codec: TextCodec | None
         raise IncompatibleDraftError("the draft model is bidirectional; it must be causal (AR)")
     if codec is not None and draft_codec is not None and not codec.same_ids_as(draft_codec):
         raise IncompatibleDraftError("the draft's tokenizer maps tokens to other ids than the target's")
+
+
+def check_drafter_model(target: Transformer, drafter: Transformer, codec: TextCodec | None = None,
+                        drafter_codec: TextCodec | None = None) -> None:
+    """Refuse a diffusion drafter whose answers are not in the target's tokens."""
+    if drafter.config.vocab_size != target.config.vocab_size:
+        raise IncompatibleDraftError(
+            f"the drafter's vocabulary has {drafter.config.vocab_size} tokens, the target's "
+            f"{target.config.vocab_size}: speculative decoding needs the same tokenizer")
+    if drafter.config.causal:
+        raise IncompatibleDraftError("the drafter is causal (AR); method diffusion needs a diffusion model")
+    if codec is not None and drafter_codec is not None and not codec.same_ids_as(drafter_codec):
+        raise IncompatibleDraftError("the drafter's tokenizer maps tokens to other ids than the target's")
 
 
 # --- the engine ---
@@ -232,10 +283,13 @@ class SpeculativeConfig:
     # Tokens one prompt lookup proposes, at most (None: gamma). A copied span ends where the
     # document's value ends, so long lookups mostly fill the verify with rejected positions.
     lookup_gamma: int | None = None
+    # Method diffusion: the drafter's commit threshold (None: the drafter's own). A looser tau
+    # drafts in fewer forwards; the target corrects what it gets wrong, so only speed changes.
+    drafter_tau: float | None = None
 
     def validate(self) -> None:
-        if self.method not in ("draft", "ngram", "hybrid"):
-            raise ValueError(f"unknown speculative method {self.method!r}; choose draft, ngram or hybrid")
+        if self.method not in ("draft", "ngram", "hybrid", "diffusion"):
+            raise ValueError(f"unknown speculative method {self.method!r}; choose draft, ngram, hybrid or diffusion")
         if self.gamma < 1:
             raise ValueError(f"gamma must be at least 1, got {self.gamma}")
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -244,30 +298,43 @@ class SpeculativeConfig:
             raise ValueError(f"draft_confidence must be in [0, 1), got {self.draft_confidence}")
         if self.lookup_gamma is not None and self.lookup_gamma < 1:
             raise ValueError(f"lookup_gamma must be at least 1 (or None for gamma), got {self.lookup_gamma}")
+        if self.drafter_tau is not None and not 0 < self.drafter_tau <= 1:
+            raise ValueError(f"drafter_tau must be in (0, 1], got {self.drafter_tau}")
         if not 1 <= self.hybrid_min_ngram <= self.max_ngram:
             raise ValueError(f"need 1 <= hybrid_min_ngram <= max_ngram, got {self.hybrid_min_ngram}, "
                              f"{self.max_ngram}")
 
     @property
     def uses_draft(self) -> bool:
+        """Needs a causal draft model (methods draft and hybrid)."""
         return self.method in ("draft", "hybrid")
+
+    @property
+    def uses_drafter(self) -> bool:
+        """Needs a diffusion drafter (method diffusion)."""
+        return self.method == "diffusion"
 
 
 # Per-method settings, measured side by side on the demo models at batch size 1 (CPU; see
 # docs/engines-ar.md): the draft is cut short once it doubts (draft_confidence), which makes a
-# long gamma cheap; prompt lookups stop at 5 tokens, about where copied document values end.
-# Hybrid was the fastest; the bench (`nowait bench engines --only spec`) remeasures all three.
+# long gamma cheap; prompt lookups stop at 5 tokens, about where copied document values end;
+# the diffusion drafter commits at tau 0.99 (fewer forwards than its own 0.999: the target
+# corrects what it gets wrong) and a verify checks 64 of its tokens (answers run ~93).
+# Diffusion was the fastest, hybrid the fastest of those without a second full-size model; the
+# bench (`nowait bench engines --only spec`) remeasures all four.
 SPEC_SETTINGS: dict[str, SpeculativeConfig] = {
     "ngram": SpeculativeConfig(method="ngram", gamma=4),
     "draft": SpeculativeConfig(method="draft", gamma=8, draft_confidence=0.9),
     "hybrid": SpeculativeConfig(method="hybrid", gamma=12, draft_confidence=0.95, lookup_gamma=5),
+    "diffusion": SpeculativeConfig(method="diffusion", gamma=64, drafter_tau=0.99),
 }
 SPEC_METHODS = tuple(SPEC_SETTINGS)
 BEST_METHOD = "hybrid"  # the default of `nowait eval --engine spec` and the gateway's spec engines
 
 
 class SpeculativeEngine(AutoregressiveEngine):
-    """The AR engine whose decode step proposes and verifies (draft model, prompt lookup or both).
+    """The AR engine whose decode step proposes and verifies (draft model, prompt lookup, both,
+    or a diffusion model's drafted answer).
 
     Prefill, scheduling, sampling parameters, stop tokens and grammars are the AR engine's;
     per request the Completion counts proposed and accepted draft tokens and the target's
@@ -279,16 +346,23 @@ class SpeculativeEngine(AutoregressiveEngine):
     def __init__(self, model: Transformer, codec: TextCodec | None = None, config: EngineConfig | None = None,
                  *, draft: Transformer | None = None, speculative: SpeculativeConfig | None = None,
                  draft_codec: TextCodec | None = None, end_id: int | None = None,
-                 end_ids: collections.abc.Sequence[int] | None = None, grammar=None) -> None:
+                 end_ids: collections.abc.Sequence[int] | None = None, grammar=None,
+                 drafter: DiffusionEngine | None = None) -> None:
         """`draft_codec`: the draft checkpoint's tokenizer; given, a draft whose tokens mean
-        something else than the target's is refused (`check_draft`). `end_id`, `end_ids`: as
-        for `AutoregressiveEngine`."""
+        something else than the target's is refused (`check_draft`). `drafter`: the diffusion
+        engine that drafts answers (method diffusion). `end_id`, `end_ids`: as for
+        `AutoregressiveEngine`."""
         self.speculative = speculative or SpeculativeConfig()
         self.speculative.validate()
         if self.speculative.uses_draft:
             if draft is None:
                 raise IncompatibleDraftError(f"method {self.speculative.method!r} needs a draft model")
             check_draft(model, draft, codec, draft_codec)
+        if self.speculative.uses_drafter:
+            if drafter is None:
+                raise IncompatibleDraftError("method 'diffusion' needs a diffusion drafter (a DiffusionEngine)")
+            check_drafter_model(model, drafter.model, codec, drafter.codec)
+        self.drafter = drafter if self.speculative.uses_drafter else None
         self.draft = draft.eval() if draft is not None and self.speculative.uses_draft else None
         super().__init__(model, codec, config, end_id=end_id, end_ids=end_ids, grammar=grammar)
         self.draft_runner = ModelRunner(self.draft, self.pool, 1, pad_id=self.end_id) if self.draft else None
@@ -317,8 +391,13 @@ class SpeculativeEngine(AutoregressiveEngine):
         if not any(budgets):  # every row is one token from its end: nothing to propose
             super()._run_decode(batch)
             return
-        lookups = [self._lookup_proposal(s, b) for s, b in zip(seqs, budgets, strict=True)] \
-            if spec.method != "draft" else [[] for _ in seqs]
+        if spec.method == "diffusion":
+            self._draft_answers([s for s in seqs if s.draft_answer is None])
+            lookups = [self._answer_proposal(s, b) for s, b in zip(seqs, budgets, strict=True)]
+        elif spec.method != "draft":
+            lookups = [self._lookup_proposal(s, b) for s, b in zip(seqs, budgets, strict=True)]
+        else:
+            lookups = [[] for _ in seqs]
         # ngram: the lookup always; draft: the model always; hybrid: the model where no lookup.
         wants_draft = [spec.method == "draft" or (spec.method == "hybrid" and not lookup) for lookup in lookups]
         greedy = all(s.generator is None and s.matcher is None for s in seqs)
@@ -353,6 +432,49 @@ class SpeculativeEngine(AutoregressiveEngine):
             seq.prompt_lookup = lookup
         lookup.extend(seq.tokens_from(len(lookup.tokens)))
         proposal, _ = lookup.propose(min(budget, spec.lookup_gamma or budget), drafted or ())
+        return self._trim_proposal(seq, proposal)
+
+    def _draft_answers(self, seqs: list[Sequence]) -> None:
+        """The answer each sequence's proposals come from, the end token after it: the
+        request's `draft_ids`, else the drafter's answer (one batched diffusion run; the end
+        token only after an answer that stopped). The drafter decodes greedily: the proposals
+        must be a function of the context alone for the acceptance test to keep the target's
+        distribution."""
+        wanted = []
+        for seq in seqs:
+            if seq.request.draft_ids is not None:
+                seq.draft_answer = [*seq.request.draft_ids, self.end_id]
+            else:
+                wanted.append(seq)
+        tau = self.speculative.drafter_tau
+        requests = [GenerationRequest(s.prompt_ids, SamplingParams(max_tokens=s.max_tokens), request_id=str(s.seq_id),
+                                      options={} if tau is None else {"tau": tau}) for s in wanted]
+        try:
+            answers = self.drafter.generate(requests) if requests else []
+        except InvalidRequestError:  # e.g. a prompt too long for the drafter's window: draft one by one
+            answers = [self._draft_alone(r) for r in requests]
+        for seq, answer in zip(wanted, answers, strict=True):
+            if answer is None:  # the drafter refused it: the sequence decodes without proposals
+                seq.draft_answer = []
+                continue
+            seq.draft_answer = answer.token_ids + ([self.end_id] if answer.finish_reason == "stop" else [])
+            seq.draft_forwards += answer.forwards
+
+    def _draft_alone(self, request: GenerationRequest) -> Completion | None:
+        try:
+            return self.drafter.generate([request])[0]
+        except InvalidRequestError:
+            return None
+
+    def _answer_proposal(self, seq: Sequence, budget: int) -> list[int]:
+        """The drafted answer from where the output stands in it (`propose_from_draft`)."""
+        spec = self.speculative
+        proposal, seq.draft_shift = propose_from_draft(seq.draft_answer, seq.output_ids, budget, seq.draft_shift,
+                                                       spec.max_ngram, min(spec.hybrid_min_ngram, spec.max_ngram))
+        return self._trim_proposal(seq, proposal)
+
+    def _trim_proposal(self, seq: Sequence, proposal: list[int]) -> list[int]:
+        """A proposal cut after a stop token and at the grammar's first refusal."""
         for i, token in enumerate(proposal):
             if token in seq.stop_ids:  # nothing after a stop token matters
                 proposal = proposal[: i + 1]
