@@ -501,3 +501,19 @@ def test_a_drafter_that_cannot_serve_the_target_is_refused(codec, codec_target, 
     engine = SpeculativeEngine(codec_target, codec, drafter=drafter, speculative=SpeculativeConfig(method="diffusion"))
     with pytest.raises(InvalidRequestError, match="draft_ids"):
         engine.generate([GenerationRequest([5, 6], draft_ids=[codec.vocab_size])])
+
+
+@pytest.mark.parametrize("proposer", ["draft", "ngram", "hybrid"])
+def test_every_method_verifies_an_answer_the_request_brings(codec, codec_target, proposer):
+    """`draft_ids` outranks the method's own proposals: the right answer is accepted whole,
+    gamma tokens per verify, without draft forwards; a request without one drafts as before."""
+    prompt = codec_prompts(codec, 1)[0]
+    answer = AutoregressiveEngine(codec_target, codec).generate(greedy_requests([prompt], max_tokens=20))[0]
+    draft = build_model(1, vocab_size=codec.vocab_size, num_layers=1)
+    engine = SpeculativeEngine(codec_target, codec, draft=draft,
+                               speculative=SpeculativeConfig(gamma=4, **PROPOSERS[proposer]))
+    right = engine.generate([GenerationRequest(prompt, SamplingParams(max_tokens=20), draft_ids=answer.token_ids)])[0]
+    assert right.token_ids == answer.token_ids and right.acceptance_rate == 1.0
+    assert right.draft_forwards == 0 and right.forwards == 1 + 4  # 4 verifies of 5 tokens, the last one short
+    plain = engine.generate(greedy_requests([prompt], max_tokens=20))[0]
+    assert plain.token_ids == answer.token_ids and plain.acceptance_rate != 1.0

@@ -20,8 +20,9 @@ Three proposers share one verifier:
 - **diffusion** (speculative diffusion decoding, Christopher et al. 2024, arXiv 2408.05636): a
   diffusion model drafts the whole answer in a few parallel forwards (`drafter`, a
   `DiffusionEngine` with the target's tokenizer), or the request brings a drafted answer
-  (`GenerationRequest.draft_ids`, e.g. a diffusion answer the gateway falls back from); the
-  target then verifies up to `gamma` of its tokens per forward. Where the target disagrees, the
+  (`GenerationRequest.draft_ids`, e.g. a diffusion answer the gateway falls back from; every
+  method verifies such an answer); the target then verifies up to `gamma` of its tokens per
+  forward. Where the target disagrees, the
   rest of the draft usually still fits a token or two later (a value one token longer), so
   each proposal re-aligns the output's last tokens on the draft (`propose_from_draft`), as
   prompt lookup does on the prompt.
@@ -391,15 +392,21 @@ class SpeculativeEngine(AutoregressiveEngine):
         if not any(budgets):  # every row is one token from its end: nothing to propose
             super()._run_decode(batch)
             return
-        if spec.method == "diffusion":
-            self._draft_answers([s for s in seqs if s.draft_answer is None])
-            lookups = [self._answer_proposal(s, b) for s, b in zip(seqs, budgets, strict=True)]
-        elif spec.method != "draft":
-            lookups = [self._lookup_proposal(s, b) for s, b in zip(seqs, budgets, strict=True)]
-        else:
-            lookups = [[] for _ in seqs]
+        # A row with a drafted answer (method diffusion, or one the request brought, whatever the
+        # method) proposes from it; the others as their method does.
+        self._draft_answers([s for s in seqs if s.draft_answer is None
+                             and (spec.method == "diffusion" or s.request.draft_ids is not None)])
+        lookups = []
+        for seq, budget in zip(seqs, budgets, strict=True):
+            if seq.draft_answer is not None:
+                lookups.append(self._answer_proposal(seq, budget))
+            elif spec.method in ("ngram", "hybrid"):
+                lookups.append(self._lookup_proposal(seq, budget))
+            else:
+                lookups.append([])
         # ngram: the lookup always; draft: the model always; hybrid: the model where no lookup.
-        wants_draft = [spec.method == "draft" or (spec.method == "hybrid" and not lookup) for lookup in lookups]
+        wants_draft = [seq.draft_answer is None and (spec.method == "draft" or (spec.method == "hybrid" and not lookup))
+                       for seq, lookup in zip(seqs, lookups, strict=True)]
         greedy = all(s.generator is None and s.matcher is None for s in seqs)
         params = None if greedy else SamplingBatch.from_params([s.request.sampling for s in seqs])
         proposals, drafted, draft_probs = lookups, [0] * len(seqs), None
