@@ -68,6 +68,8 @@ def test_spec_engines_load_their_draft_and_refuse_one_with_another_tokenizer(tmp
         "alien": {**ar, "draft": str(alien)},
         "no-draft": {**ar, "draft": str(tmp_path / "missing"), "method": "draft"},
         "lookup": {**ar, "draft": str(tmp_path / "missing"), "method": "ngram"},
+        "diffusion-drafted": {**ar, "draft": models["diffusion"], "method": "diffusion", "drafter_tau": 0.9},
+        "causal-drafter": {**ar, "draft": models["draft"], "method": "diffusion"},
     }, "routing": {"fast_engine": None}})
     backends = build_backends(config)
     for name in ("spec", "spec-draft", "lookup"):
@@ -83,6 +85,12 @@ def test_spec_engines_load_their_draft_and_refuse_one_with_another_tokenizer(tmp
     assert "tokenizer" in reason and str(alien) in reason and "method: ngram" in reason, reason
     assert not backends["no-draft"].available and "draft model" in backends["no-draft"].unavailable_reason
     assert backends["ar"].available  # the others still serve
+    drafted = backends["diffusion-drafted"].worker.engine
+    assert drafted.drafter is not None and drafted.speculative.drafter_tau == 0.9
+    [completion] = drafted.generate([GenerationRequest(codec.encode("Name: Ann"), SamplingParams(max_tokens=8))])
+    assert completion.draft_forwards > 0
+    assert not backends["causal-drafter"].available
+    assert "diffusion model" in backends["causal-drafter"].unavailable_reason
 
 
 def test_the_example_config_is_valid_and_resolves_paths_next_to_it():
@@ -108,7 +116,7 @@ def test_the_example_config_is_valid_and_resolves_paths_next_to_it():
      "engines.d.options: tau must be in (0, 1]"),
     ({"engines": {}}, "engines: "),
     ({"engines": {"ar": {"kind": "ar"}, "s": {"kind": "spec", "method": "tree"}}},
-     "engines.s.method: Input should be 'hybrid', 'draft' or 'ngram'"),
+     "engines.s.method: Input should be 'hybrid', 'draft', 'ngram' or 'diffusion'"),
     ({"engines": {"ar": {"kind": "ar"}, "s": {"kind": "spec", "draft_confidence": 1.0}}},
      "engines.s.draft_confidence: Input should be less than 1"),
     ({"engines": {"ar": {"kind": "ar"}, "s": {"kind": "spec", "lookup_gamma": 0}}},

@@ -70,21 +70,30 @@ class SpecEngineConfig(ArEngineConfig):
 
     kind: Literal["spec"]  # type: ignore[assignment]
     max_num_seqs: int = Field(4, ge=1)  # speculation pays at small batch (engines/speculative.py)
-    method: Literal["hybrid", "draft", "ngram"] = Field(
-        BEST_METHOD, description="hybrid (prompt lookup, else the draft model), draft, or ngram (no draft model)")
-    draft: str = Field("draft", description="draft checkpoint (methods hybrid and draft); it must share the "
-                                            "target's tokenizer")
+    method: Literal["hybrid", "draft", "ngram", "diffusion"] = Field(
+        BEST_METHOD, description="hybrid (prompt lookup, else the draft model), draft, ngram (no draft model), or "
+                                 "diffusion (a diffusion model drafts the whole answer)")
+    draft: str | None = Field(None, description="the draft checkpoint: a causal draft for methods hybrid and draft "
+                                                "(default: draft), a diffusion model for method diffusion (default: "
+                                                "diffusion); it must share the target's tokenizer")
     gamma: int | None = Field(None, ge=1, description="proposals per step, at most (default: the method's)")
     draft_confidence: float | None = Field(None, ge=0, lt=1, description="stop drafting after a proposal the "
                                            "draft is less sure of (0: never; default: the method's)")
     lookup_gamma: int | None = Field(None, ge=1, description="tokens one prompt lookup proposes, at most "
                                      "(default: the method's)")
+    drafter_tau: float | None = Field(None, gt=0, le=1, description="method diffusion: the drafter's commit "
+                                      "threshold (default: the method's)")
 
     def speculative_config(self) -> SpeculativeConfig:
         """The engine's settings: the method's tuned ones, with what this config sets instead."""
-        chosen = {name: value for name in ("gamma", "draft_confidence", "lookup_gamma")
+        chosen = {name: value for name in ("gamma", "draft_confidence", "lookup_gamma", "drafter_tau")
                   if (value := getattr(self, name)) is not None}
         return replace(SPEC_SETTINGS[self.method], **chosen)
+
+    @property
+    def draft_model(self) -> str:
+        """The draft checkpoint, or the method's bundled one."""
+        return self.draft or ("diffusion" if self.method == "diffusion" else "draft")
 
 
 class DiffusionEngineConfig(OwnedEngineConfig):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from nowait.gateway.domain import Attempt, AttemptStream, Backend, Call
 from nowait.gateway.engines import SCHEMA_UNSUPPORTED
@@ -113,7 +113,10 @@ class Dispatcher:
         if found is not None:
             outcome.fallback_cause, why = found
             outcome.reason += f"; {why}: re-ran on {decision.fallback_engine}"
-            outcome.attempts.append(await self._run(decision.fallback_engine, call))
+            # A speculative fallback engine verifies the answer it replaces instead of drafting:
+            # most of a low-confidence answer is usually right, so it costs a few forwards.
+            retry = replace(call, draft_text=attempt.text) if attempt.text else call
+            outcome.attempts.append(await self._run(decision.fallback_engine, retry))
 
     async def _first_attempt(self, outcome: Outcome) -> Attempt:
         call, decision = outcome.call, outcome.decision

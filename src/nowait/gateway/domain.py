@@ -61,6 +61,9 @@ class Call:
     json_mode: bool = False  # response_format asked for JSON (json_object or json_schema)
     response_format: dict | None = None  # as the client sent it, for remote upstreams
     arrival: float = field(default_factory=time.perf_counter)
+    # On fallback: the fast engine's answer, which a speculative fallback engine verifies as its
+    # draft (the output is still the fallback model's own); other engines ignore it.
+    draft_text: str | None = None
 
 
 @dataclass

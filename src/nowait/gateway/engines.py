@@ -441,7 +441,8 @@ class OwnedBackend:
         schema = call.schema
         if self.kind == "diffusion" and schema == ANY_OBJECT:
             schema = None  # no template for "any object": decode free-form, the dispatcher checks the JSON
-        return GenerationRequest(ids, sampling, schema=schema, request_id=call.request_id)
+        draft = self.codec.encode(call.draft_text) if call.draft_text and self.kind == "spec" else None
+        return GenerationRequest(ids, sampling, schema=schema, request_id=call.request_id, draft_ids=draft)
 
     def _reserve(self) -> None:
         if self.in_flight >= self.capacity + self.max_queue:
@@ -650,23 +651,32 @@ def build_owned(name: str, spec: ArEngineConfig | SpecEngineConfig | DiffusionEn
 
 def _speculative_engine(spec: SpecEngineConfig, loaded: LoadedModel, cache: ModelCache, config: EngineConfig,
                         grammar: GrammarCompiler | None) -> SpeculativeEngine:
-    """The target with its draft (methods hybrid and draft). The draft's tokenizer goes in too, so
-    a draft trained with another tokenizer of the same size is refused (IncompatibleDraftError)
-    instead of proposing tokens that mean something else to the target: every proposal would be
-    rejected and the engine would run slower than plain AR."""
+    """The target with its draft (methods hybrid and draft) or diffusion drafter (method
+    diffusion). The draft's tokenizer goes in too, so a draft trained with another tokenizer of
+    the same size is refused (IncompatibleDraftError) instead of proposing tokens that mean
+    something else to the target: every proposal would be rejected and the engine would run
+    slower than plain AR."""
     speculative = spec.speculative_config()
     draft = None
-    if speculative.uses_draft:
+    if speculative.uses_draft or speculative.uses_drafter:
         try:
-            draft = cache.load(spec.draft, spec.dtype, spec.device)
+            draft = cache.load(spec.draft_model, spec.dtype, spec.device)
         except CheckpointError as error:
             raise CheckpointError(f"draft model: {error}") from None
     try:
+        if speculative.uses_drafter:
+            if draft.model.config.causal:
+                raise IncompatibleDraftError("method diffusion needs a diffusion model; this one is causal (AR)")
+            drafter = DiffusionEngine(draft.model, draft.codec, max_batch=spec.max_num_seqs,
+                                      end_ids=draft.conventions.end_ids)
+            return SpeculativeEngine(loaded.model, loaded.codec, config, drafter=drafter, grammar=grammar,
+                                     speculative=speculative, end_ids=loaded.conventions.end_ids)
         return SpeculativeEngine(loaded.model, loaded.codec, config, draft=draft.model if draft else None,
                                  draft_codec=draft.codec if draft else None, grammar=grammar,
                                  speculative=speculative, end_ids=loaded.conventions.end_ids)
     except IncompatibleDraftError as error:
-        hint = f" (`nowait train {spec.draft}`)" if spec.draft in paths.DEMO_MODELS else ""
-        message = (f"draft {spec.draft!r} cannot serve model {spec.model!r}: {error}. Use a draft trained with the "
+        name = spec.draft_model
+        hint = f" (`nowait train {name}`)" if name in paths.DEMO_MODELS else ""
+        message = (f"draft {name!r} cannot serve model {spec.model!r}: {error}. Use a draft trained with the "
                    f"target's tokenizer{hint}, or method: ngram (no draft)")
         raise IncompatibleDraftError(message) from None

@@ -1,0 +1,70 @@
+"""On fallback, the fast engine's answer travels to the fallback engine as a draft to verify.
+
+A speculative fallback engine (kind spec) turns the text into `draft_ids` in its own tokens and
+verifies it instead of drafting; every other engine leaves it alone. The answer is still the
+fallback model's own (tests/test_speculative.py checks that for any draft)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from nowait.gateway.dispatch import Dispatcher
+from nowait.gateway.domain import Attempt, Call, Metadata
+from nowait.gateway.engines import OwnedBackend
+from nowait.gateway.ledger import AuditLog
+from nowait.gateway.metrics import GatewayMetrics
+from nowait.router import DataClass, RoutingPolicy
+
+
+class RecordingBackend:
+    """A backend answering with fixed text and confidence, keeping every Call it runs."""
+
+    owned, available, unavailable_reason, stats = True, True, "", None
+
+    def __init__(self, name: str, text: str, confidence: float | None) -> None:
+        self.name, self.kind, self.text, self.confidence = name, name, text, confidence
+        self.calls: list[Call] = []
+
+    def may_receive(self, data_class) -> bool:
+        return True
+
+    async def run(self, call: Call, timeout_s: float) -> Attempt:
+        self.calls.append(call)
+        return Attempt(engine=self.name, text=self.text, confidence=self.confidence, completion_tokens=3)
+
+
+def call(model: str) -> Call:
+    meta = Metadata(latency_budget_ms=None, token_value_usd_per_mtok=0.0, data_class=DataClass.internal,
+                    batchable=False)
+    return Call("req-1", "chat", model, meta, messages=[{"role": "user", "content": "Name: Ann Lee"}])
+
+
+@pytest.mark.parametrize(("confidence", "falls_back"), [(0.2, True), (0.999, False)])
+def test_the_fast_answer_is_the_fallback_engines_draft(tmp_path, confidence, falls_back):
+    fast = RecordingBackend("diffusion", '{"name": "Ann Lee"}', confidence)
+    slow = RecordingBackend("spec", '{"name": "Ann Lee"}', None)
+    policy = RoutingPolicy(confidence_threshold=0.9, fallback_engine="spec")
+    dispatcher = Dispatcher({"diffusion": fast, "spec": slow, "ar": slow}, policy, "nowait", GatewayMetrics(),
+                            AuditLog(tmp_path / "audit.jsonl"), timeout_s=5)
+    outcome = asyncio.run(dispatcher.complete(call("diffusion")))
+    assert fast.calls[0].draft_text is None
+    if falls_back:
+        assert outcome.fallback and [a.engine for a in outcome.attempts] == ["diffusion", "spec"]
+        assert slow.calls[0].draft_text == fast.text
+        assert slow.calls[0].messages == fast.calls[0].messages and slow.calls[0].request_id == "req-1"
+    else:
+        assert not outcome.fallback and not slow.calls
+
+
+@pytest.mark.parametrize("kind", ["spec", "ar", "diffusion"])
+def test_only_a_speculative_engine_turns_the_draft_into_ids(codec, kind):
+    worker = type("Idle", (), {"stats": None})()  # generation_request never reaches the worker
+    backend = OwnedBackend("engine", kind, worker, codec, max_model_len=400, capacity=1, max_queue=1,
+                           node_usd_per_hour=1.0, default_max_tokens=16)
+    with_draft = call("engine")
+    with_draft.draft_text = '{"name": "Ann Lee"}'
+    request = backend.generation_request(with_draft)
+    assert request.draft_ids == (codec.encode(with_draft.draft_text) if kind == "spec" else None)
+    assert backend.generation_request(call("engine")).draft_ids is None
