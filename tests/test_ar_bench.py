@@ -60,6 +60,11 @@ def test_spec_entry_compares_methods_with_plain_ar(codec, model):
     assert entry["ar"]["identical_to_greedy_decode"] and entry["speedup_p50_vs_greedy_decode"] > 0
     without_draft = spec_entry(model, codec, docs[:1])  # the methods that need no draft model
     assert set(without_draft["methods"]) == {"ngram"}
+    drafter = build_model(2, vocab_size=codec.vocab_size, causal=False, mask_token_id=codec.mask_id)
+    drafted = spec_entry(model, codec, docs[:1], methods=("ngram", "diffusion"), drafter=drafter, drafter_codec=codec)
+    assert set(drafted["methods"]) == {"ngram", "diffusion"}
+    assert drafted["methods"]["diffusion"]["greedy_identical_to_ar"]
+    assert drafted["methods"]["diffusion"]["drafter_tau"] == 0.99
 
 
 def test_a_draft_with_another_tokenizer_is_refused(codec, model):

@@ -68,6 +68,18 @@ def test_eval_spec_loads_the_draft_for_the_methods_that_use_it(tiny_checkpoints,
     assert report["draft_forwards_per_doc"] > 0  # the draft model did propose
 
 
+def test_eval_spec_diffusion_drafts_with_the_diffusion_model(tiny_checkpoints):
+    result = runner.invoke(app, ["eval", "--engine", "spec", "--method", "diffusion", "--n", "1", "--json",
+                                 "--model", str(tiny_checkpoints["ar"]), "--draft", str(tiny_checkpoints["diffusion"])])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output.strip().splitlines()[-1])
+    assert "speculative (diffusion, gamma" in report["settings"]["decoding"]
+    assert report["draft_forwards_per_doc"] > 0  # the diffusion model drafted
+    causal = runner.invoke(app, ["eval", "--engine", "spec", "--method", "diffusion", "--n", "1",
+                                 "--model", str(tiny_checkpoints["ar"]), "--draft", str(tiny_checkpoints["draft"])])
+    assert_one_clear_line(causal, "causal")
+
+
 def test_eval_spec_refuses_a_draft_with_another_tokenizer(tiny_checkpoints):
     alien = str(tiny_checkpoints["alien-draft"])
     result = runner.invoke(app, ["eval", "--engine", "spec", "--method", "hybrid", "--n", "1",

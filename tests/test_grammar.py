@@ -92,6 +92,14 @@ def test_constrained_speculation_matches_constrained_ar(codec, compiler, model):
         completions = [engine.generate([r])[0] for r in requests()]
         assert [c.token_ids for c in completions] == [c.token_ids for c in reference]
         assert sum(c.draft_tokens_proposed for c in completions) > 0
+    # A drafted answer (here the constrained answer with its braces broken) is cut at the
+    # grammar's first refusal, and the output is still the constrained target's.
+    verify = SpeculativeEngine(model, codec, grammar=compiler, draft=build_model(1, vocab_size=codec.vocab_size),
+                               speculative=SpeculativeConfig(method="ngram", gamma=8))
+    for request, answer in zip(requests(), reference, strict=True):
+        request.draft_ids = codec.encode("}}") + answer.token_ids
+        [completion] = verify.generate([request])
+        assert completion.token_ids == answer.token_ids and completion.draft_tokens_accepted > 0
     sampled = SpeculativeEngine(model, codec, grammar=compiler, draft=build_model(1, vocab_size=codec.vocab_size))
     for completion in sampled.generate([GenerationRequest(p, SamplingParams(max_tokens=120, temperature=1.0, seed=3),
                                                           schema=SCHEMA) for p in prompts]):
