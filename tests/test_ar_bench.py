@@ -64,7 +64,7 @@ def test_spec_entry_compares_methods_with_plain_ar(codec, model):
     drafted = spec_entry(model, codec, docs[:1], methods=("ngram", "diffusion"), drafter=drafter, drafter_codec=codec)
     assert set(drafted["methods"]) == {"ngram", "diffusion"}
     assert drafted["methods"]["diffusion"]["greedy_identical_to_ar"]
-    assert drafted["methods"]["diffusion"]["drafter_tau"] == 0.99
+    assert drafted["methods"]["diffusion"]["draft_forwards_per_doc"] > 0  # the diffusion model drafted
 
 
 def test_a_draft_with_another_tokenizer_is_refused(codec, model):

@@ -93,6 +93,15 @@ def test_spec_engines_load_their_draft_and_refuse_one_with_another_tokenizer(tmp
     assert "diffusion model" in backends["causal-drafter"].unavailable_reason
 
 
+def test_a_spec_engine_without_a_draft_key_takes_its_methods_bundled_draft(tmp_path):
+    path = tmp_path / "nowait.yaml"
+    path.write_text("engines:\n  ar: {kind: ar}\n  s: {kind: spec, method: diffusion}\n  h: {kind: spec}\n"
+                    "routing: {fast_engine: null}\n")
+    config = load_config(path)
+    assert config.engines["s"].draft is None and config.engines["s"].draft_model == "diffusion"
+    assert config.engines["h"].draft_model == "draft"
+
+
 def test_the_example_config_is_valid_and_resolves_paths_next_to_it():
     config = load_config(EXAMPLE)
     assert "frontier-api" in config.engines and config.routing_policy().remote_frontier_engines

@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from nowait.gateway.dispatch import Dispatcher
-from nowait.gateway.domain import Attempt, Call, Metadata
+from nowait.gateway.domain import Attempt, Call, Metadata, Sampling
 from nowait.gateway.engines import OwnedBackend
 from nowait.gateway.ledger import AuditLog
 from nowait.gateway.metrics import GatewayMetrics
@@ -35,10 +35,11 @@ class RecordingBackend:
         return Attempt(engine=self.name, text=self.text, confidence=self.confidence, completion_tokens=3)
 
 
-def call(model: str) -> Call:
+def call(model: str, temperature: float | None = None) -> Call:
     meta = Metadata(latency_budget_ms=None, token_value_usd_per_mtok=0.0, data_class=DataClass.internal,
                     batchable=False)
-    return Call("req-1", "chat", model, meta, messages=[{"role": "user", "content": "Name: Ann Lee"}])
+    return Call("req-1", "chat", model, meta, sampling=Sampling(temperature=temperature, seed=7),
+                messages=[{"role": "user", "content": "Name: Ann Lee"}])
 
 
 @pytest.mark.parametrize(("confidence", "falls_back"), [(0.2, True), (0.999, False)])
@@ -56,6 +57,17 @@ def test_the_fast_answer_is_the_fallback_engines_draft(tmp_path, confidence, fal
         assert slow.calls[0].messages == fast.calls[0].messages and slow.calls[0].request_id == "req-1"
     else:
         assert not outcome.fallback and not slow.calls
+
+
+def test_a_sampled_fallback_gets_no_draft(tmp_path):
+    """A seeded sampled answer shares its seed with the re-run, so it is not an independent draft."""
+    fast = RecordingBackend("diffusion", '{"name": "Ann Lee"}', 0.2)
+    slow = RecordingBackend("spec", '{"name": "Ann Lee"}', None)
+    dispatcher = Dispatcher({"diffusion": fast, "spec": slow, "ar": slow},
+                            RoutingPolicy(confidence_threshold=0.9, fallback_engine="spec"), "nowait",
+                            GatewayMetrics(), AuditLog(tmp_path / "audit.jsonl"), timeout_s=5)
+    outcome = asyncio.run(dispatcher.complete(call("diffusion", temperature=0.8)))
+    assert outcome.fallback and slow.calls[0].draft_text is None
 
 
 @pytest.mark.parametrize("kind", ["spec", "ar", "diffusion"])

@@ -386,6 +386,11 @@ def test_a_repeated_pattern_is_matched_nearest_the_alignment():
     assert propose_from_draft(draft, [5, 5, 5, 1, 2, 3], 1, shift=4) == ([9], 5)
 
 
+def test_a_short_match_where_the_output_stands_beats_a_long_one_far_away():
+    draft = [5, 1, 2, 30, 7, 1, 2, 31, 40, 41]
+    assert propose_from_draft(draft, [5, 1, 2, 30, 5, 1, 2], 3) == ([31, 40, 41], 0)
+
+
 def test_propose_from_draft_never_proposes_past_the_draft():
     assert propose_from_draft([4, 5], [4, 5], 3) == ([], 0)
     assert propose_from_draft([4, 5], [4, 5, 6, 7, 8], 3) == ([], 0)
@@ -470,13 +475,14 @@ def test_seeded_sampling_with_a_drafted_answer_alone_equals_batched(codec, codec
         return [GenerationRequest(p, SamplingParams(max_tokens=10, temperature=1.0, seed=i))
                 for i, p in enumerate(ids) if i in batch]
 
-    alone = [engine.generate(run({i}))[0].token_ids for i in range(len(ids))]
-    assert [c.token_ids for c in engine.generate(run(set(range(len(ids)))))] == alone
+    alone = [engine.generate(run({i}))[0] for i in range(len(ids))]
+    assert [c.token_ids for c in engine.generate(run(set(range(len(ids)))))] == [c.token_ids for c in alone]
+    assert all(c.draft_tokens_proposed > 0 for c in alone)
 
 
-def test_a_prompt_the_drafter_refuses_decodes_without_proposals(codec, drafter):
-    """The drafter's window does not fit (prompt + max_tokens past its positions): the target
-    decodes alone, and still gives its own output."""
+def test_a_prompt_that_leaves_the_drafter_no_room_decodes_without_proposals(codec, drafter):
+    """The prompt fills the drafter's positions (not the target's): the target decodes alone,
+    and still gives its own output."""
     target = build_model(0, vocab_size=codec.vocab_size, max_position=1024)
     prompt = codec_prompts(codec, 1)[0] * 30  # about 500 tokens: + 16 fits the target, not the drafter's 512
     reference = AutoregressiveEngine(target, codec).generate(greedy_requests([prompt], max_tokens=16))[0]
@@ -517,3 +523,66 @@ def test_every_method_verifies_an_answer_the_request_brings(codec, codec_target,
     assert right.draft_forwards == 0 and right.forwards == 1 + 4  # 4 verifies of 5 tokens, the last one short
     plain = engine.generate(greedy_requests([prompt], max_tokens=20))[0]
     assert plain.token_ids == answer.token_ids and plain.acceptance_rate != 1.0
+
+
+class FailingDrafter:
+    """A drafter whose every run fails (a device error, say), wrapping a real one for its checks."""
+
+    def __init__(self, real) -> None:
+        self.model, self.codec = real.model, real.codec
+
+    def generate(self, requests):
+        raise RuntimeError("out of memory")
+
+
+class RecordingDrafter(FailingDrafter):
+    def __init__(self, real) -> None:
+        super().__init__(real)
+        self.real, self.requests = real, []
+
+    def generate(self, requests):
+        self.requests += requests
+        return self.real.generate(requests)
+
+
+def test_a_failing_drafter_leaves_the_target_decoding(codec, codec_target, drafter):
+    ids = codec_prompts(codec, 2)
+    reference = AutoregressiveEngine(codec_target, codec).generate(greedy_requests(ids, max_tokens=12))
+    engine = SpeculativeEngine(codec_target, codec, drafter=FailingDrafter(drafter),
+                               speculative=SpeculativeConfig(method="diffusion", max_batch=4))
+    done = engine.generate(greedy_requests(ids, max_tokens=12))
+    assert [c.token_ids for c in done] == [c.token_ids for c in reference]
+    assert [c.finish_reason for c in done] == [c.finish_reason for c in reference]
+    assert all(c.draft_tokens_proposed == 0 for c in done)
+
+
+def test_the_drafter_decodes_greedily_within_its_window(codec, codec_target, drafter):
+    """A sampled request still gets a greedy draft (a function of the prompt alone), and the
+    drafter's window is cut to the positions it has."""
+    recording = RecordingDrafter(drafter)
+    engine = SpeculativeEngine(codec_target, codec, drafter=recording,
+                               speculative=SpeculativeConfig(method="diffusion", drafter_tau=0.8))
+    prompt = codec_prompts(codec, 1)[0]
+    long_prompt = (prompt * 40)[:500]
+    engine.generate([GenerationRequest(prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=1))])
+    engine.generate([GenerationRequest(long_prompt, SamplingParams(max_tokens=20))])  # the target caps it at 12
+    first, second = recording.requests
+    assert first.sampling.temperature == 0 and first.sampling.max_tokens == 12 and first.options == {"tau": 0.8}
+    assert second.sampling.max_tokens == drafter.model.config.max_position - 500 - 1
+
+
+def test_a_drafted_answer_that_runs_out_hands_over_to_the_draft_model(codec, codec_target):
+    """Rows with and without a drafted answer in one batch; once an answer is used up, the
+    method's draft model proposes. Output: the target's, alone or batched."""
+    ids = codec_prompts(codec, 3)
+    reference = AutoregressiveEngine(codec_target, codec).generate(greedy_requests(ids, max_tokens=20))
+    engine = SpeculativeEngine(codec_target, codec, draft=build_model(1, vocab_size=codec.vocab_size, num_layers=1),
+                               speculative=SpeculativeConfig(method="draft", gamma=4, max_batch=4))
+    requests = greedy_requests(ids, max_tokens=20)
+    requests[0].draft_ids = reference[0].token_ids[:6]  # runs out after six tokens
+    requests[2].draft_ids = reference[2].token_ids  # the whole answer
+    done = engine.generate(requests)
+    assert [c.token_ids for c in done] == [c.token_ids for c in reference]
+    # the answer after the prefill's token (five accepted), then the model's proposals
+    assert done[0].draft_forwards > 0 and done[0].draft_tokens_accepted >= 5
+    assert done[1].draft_forwards > 0

@@ -42,8 +42,9 @@ class SamplingParams:
 class GenerationRequest:
     """One prompt to complete. `schema` asks for JSON valid for that JSON Schema; `options`
     carries engine-specific settings (diffusion: policy, tau, block, cache). `draft_ids`: an
-    answer drafted elsewhere (e.g. the diffusion engine's, on fallback) for a speculative engine
-    with method diffusion to verify instead of drafting one; the output is still the target's."""
+    answer drafted elsewhere (e.g. the diffusion engine's, on fallback) that a speculative engine
+    verifies before its method's own proposals, whatever the method; the output is still the
+    target's. The draft must not depend on the target's random draws (a greedy draft never does)."""
 
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)

@@ -52,6 +52,7 @@ it to the batch size at which batched decoding stops being nearly free per extra
 from __future__ import annotations
 
 import collections.abc
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -61,7 +62,7 @@ import torch
 from torch import Tensor
 
 from nowait.engines.autoregressive import AutoregressiveEngine, EngineConfig
-from nowait.engines.base import Completion, GenerationRequest, InvalidRequestError, SamplingParams
+from nowait.engines.base import Completion, GenerationRequest, SamplingParams
 from nowait.engines.runner import ModelRunner
 from nowait.engines.sampling import (
     SamplingBatch,
@@ -79,6 +80,7 @@ if TYPE_CHECKING:  # the diffusion engine loads only where a drafter is given
     from nowait.engines.diffusion_engine import DiffusionEngine
 
 SpeculativeMethod = Literal["draft", "ngram", "hybrid", "diffusion"]
+log = logging.getLogger(__name__)
 
 
 class IncompatibleDraftError(ValueError):
@@ -226,12 +228,16 @@ def propose_from_draft(draft: list[int], output: list[int], count: int, shift: i
     if count <= 0:
         return [], shift
     expected = len(output) + shift
+    best: tuple[int, int, int] | None = None  # (distance from the alignment, -n, end)
     for n in range(min(max_ngram, len(output)), min_ngram - 1, -1):
         suffix = output[len(output) - n:]
-        ends = [end for end in range(n, len(draft) + 1) if draft[end - n: end] == suffix]
-        if ends:
-            end = min(ends, key=lambda e: (abs(e - expected), e))
-            return draft[end: end + count], end - len(output)
+        for end in range(n, len(draft) + 1):
+            if draft[end - n: end] == suffix:
+                candidate = (abs(end - expected), -n, end)
+                best = candidate if best is None or candidate < best else best
+    if best is not None:
+        end = best[2]
+        return draft[end: end + count], end - len(output)
     start = max(0, expected)
     return draft[start: start + count], shift
 
@@ -394,19 +400,17 @@ class SpeculativeEngine(AutoregressiveEngine):
             return
         # A row with a drafted answer (method diffusion, or one the request brought, whatever the
         # method) proposes from it; the others as their method does.
-        self._draft_answers([s for s in seqs if s.draft_answer is None
+        self._draft_answers([s for s, b in zip(seqs, budgets, strict=True) if b and s.draft_answer is None
                              and (spec.method == "diffusion" or s.request.draft_ids is not None)])
-        lookups = []
-        for seq, budget in zip(seqs, budgets, strict=True):
-            if seq.draft_answer is not None:
-                lookups.append(self._answer_proposal(seq, budget))
-            elif spec.method in ("ngram", "hybrid"):
-                lookups.append(self._lookup_proposal(seq, budget))
-            else:
-                lookups.append([])
+        # Where the drafted answer has nothing to offer (it ran out, or the drafter refused),
+        # the method's own proposer takes over.
+        from_answer = [self._answer_proposal(s, b) if s.draft_answer is not None else []
+                       for s, b in zip(seqs, budgets, strict=True)]
+        lookups = [answer if answer else self._lookup_proposal(s, b) if spec.method in ("ngram", "hybrid") else []
+                   for s, b, answer in zip(seqs, budgets, from_answer, strict=True)]
         # ngram: the lookup always; draft: the model always; hybrid: the model where no lookup.
-        wants_draft = [seq.draft_answer is None and (spec.method == "draft" or (spec.method == "hybrid" and not lookup))
-                       for seq, lookup in zip(seqs, lookups, strict=True)]
+        wants_draft = [not answer and (spec.method == "draft" or (spec.method == "hybrid" and not lookup))
+                       for answer, lookup in zip(from_answer, lookups, strict=True)]
         greedy = all(s.generator is None and s.matcher is None for s in seqs)
         params = None if greedy else SamplingBatch.from_params([s.request.sampling for s in seqs])
         proposals, drafted, draft_probs = lookups, [0] * len(seqs), None
@@ -446,31 +450,42 @@ class SpeculativeEngine(AutoregressiveEngine):
         request's `draft_ids`, else the drafter's answer (one batched diffusion run; the end
         token only after an answer that stopped). The drafter decodes greedily: the proposals
         must be a function of the context alone for the acceptance test to keep the target's
-        distribution."""
+        distribution. It runs inside this step, so the other rows of the batch wait for it."""
         wanted = []
         for seq in seqs:
             if seq.request.draft_ids is not None:
                 seq.draft_answer = [*seq.request.draft_ids, self.end_id]
             else:
                 wanted.append(seq)
+        # The drafter's window must fit its positions; the target's output is capped by its own.
+        room = {s.seq_id: min(s.max_tokens, self.drafter.model.config.max_position - len(s.prompt_ids) - 1)
+                for s in wanted} if wanted else {}
+        for seq in wanted:
+            seq.draft_answer = []  # until the drafter answers: a refused or failed draft proposes nothing
+        wanted = [s for s in wanted if room[s.seq_id] > 0]
+        if not wanted:
+            return
         tau = self.speculative.drafter_tau
-        requests = [GenerationRequest(s.prompt_ids, SamplingParams(max_tokens=s.max_tokens), request_id=str(s.seq_id),
-                                      options={} if tau is None else {"tau": tau}) for s in wanted]
+        requests = [GenerationRequest(s.prompt_ids, SamplingParams(max_tokens=room[s.seq_id]),
+                                      request_id=str(s.seq_id), options={} if tau is None else {"tau": tau})
+                    for s in wanted]
         try:
-            answers = self.drafter.generate(requests) if requests else []
-        except InvalidRequestError:  # e.g. a prompt too long for the drafter's window: draft one by one
-            answers = [self._draft_alone(r) for r in requests]
+            answers = self.drafter.generate(requests)
+        except Exception:  # a drafter failure must not fail the target's requests
+            answers = [self._draft_alone(r) for r in requests]  # find the request it fails on
         for seq, answer in zip(wanted, answers, strict=True):
-            if answer is None:  # the drafter refused it: the sequence decodes without proposals
-                seq.draft_answer = []
-                continue
-            seq.draft_answer = answer.token_ids + ([self.end_id] if answer.finish_reason == "stop" else [])
-            seq.draft_forwards += answer.forwards
+            if answer is not None:
+                seq.draft_answer = answer.token_ids + ([self.end_id] if answer.finish_reason == "stop" else [])
+                seq.draft_forwards += answer.forwards
 
     def _draft_alone(self, request: GenerationRequest) -> Completion | None:
+        """One request's draft, or None (logged) when the drafter fails on it: the sequence
+        then decodes with its method's proposals only."""
         try:
             return self.drafter.generate([request])[0]
-        except InvalidRequestError:
+        except Exception as error:
+            log.warning("the diffusion drafter failed on request %s (%s); it decodes without a draft",
+                        request.request_id, error)
             return None
 
     def _answer_proposal(self, seq: Sequence, budget: int) -> list[int]:

@@ -324,8 +324,8 @@ def _resolve_paths(config: GatewayConfig, base: Path) -> GatewayConfig:
         if not isinstance(engine, RemoteEngineConfig):
             if engine.model not in paths.DEMO_MODELS and not Path(engine.model).is_absolute():
                 update["model"] = str(base / engine.model)
-            if isinstance(engine, SpecEngineConfig) and engine.draft not in paths.DEMO_MODELS \
-                    and not Path(engine.draft).is_absolute():
+            if isinstance(engine, SpecEngineConfig) and engine.draft is not None \
+                    and engine.draft not in paths.DEMO_MODELS and not Path(engine.draft).is_absolute():
                 update["draft"] = str(base / engine.draft)
         engines[name] = engine.model_copy(update=update)
     batches = config.batches.model_copy(update={"database": resolve(config.batches.database)})

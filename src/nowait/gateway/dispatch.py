@@ -114,8 +114,11 @@ class Dispatcher:
             outcome.fallback_cause, why = found
             outcome.reason += f"; {why}: re-ran on {decision.fallback_engine}"
             # A speculative fallback engine verifies the answer it replaces instead of drafting:
-            # most of a low-confidence answer is usually right, so it costs a few forwards.
-            retry = replace(call, draft_text=attempt.text) if attempt.text else call
+            # most of a low-confidence answer is usually right, so it costs a few forwards. Greedy
+            # calls only: a seeded sampled draft would share its random stream with the re-run's
+            # acceptance draws, and the re-run's distribution is exact only for independent drafts.
+            greedy = not (call.sampling.temperature or 0) > 0
+            retry = replace(call, draft_text=attempt.text) if attempt.text and greedy else call
             outcome.attempts.append(await self._run(decision.fallback_engine, retry))
 
     async def _first_attempt(self, outcome: Outcome) -> Attempt:
