@@ -93,6 +93,24 @@ def test_spec_entry_refuses_a_draft_with_another_tokenizer(checkpoints, tmp_path
     assert "tokenizer" in entry["draft_refused"] and set(entry["methods"]) == {"ngram"}
 
 
+def test_fallback_entry_verifies_the_diffusion_answer_instead_of_decoding(checkpoints, tmp_path, codec):
+    result = runner.invoke(app, ["bench", "engines", "--n", "2", "--only", "fallback", "--json",
+                                 "--ar-model", checkpoints["ar"], "--diffusion-model", checkpoints["diffusion"]])
+    assert result.exit_code == 0, result.output
+    [entry] = last_json(result.output)["engines"]
+    assert all(field in entry for field in EVAL_FIELDS)
+    assert entry["verifier"] == "diffusion" and set(entry["verifiers"]) == {"diffusion"}  # no draft model named
+    verified = entry["verifiers"]["diffusion"]
+    assert verified["greedy_identical_to_ar"] and verified["answer_gamma"] == 64
+    assert verified["draft_forwards_per_doc"] == 0  # the answer came with the request: nothing drafted
+    assert entry["ar"]["forwards_per_doc"] > 0
+    alien = save_pretrained(build_model(2, vocab_size=codec.vocab_size, causal=False, mask_token_id=codec.mask_id),
+                            swapped_codec(codec), tmp_path / "alien-diffusion")
+    refused = runner.invoke(app, ["bench", "engines", "--n", "1", "--only", "fallback", "--ar-model",
+                                  checkpoints["ar"], "--diffusion-model", str(alien)])
+    assert refused.exit_code != 0 and "tokenizer" in refused.output and "Traceback" not in refused.output
+
+
 def test_registry_takes_new_entries(checkpoints):
     @register_entry("fake")
     def fake(ctx: BenchContext) -> dict:

@@ -343,6 +343,7 @@ def test_a_draft_with_another_vocabulary_is_refused(target):
     with pytest.raises(IncompatibleDraftError, match="draft model"):
         SpeculativeEngine(target, end_id=END, speculative=SpeculativeConfig(method="hybrid"))
     for bad, message in [({"draft_confidence": 1.0}, "draft_confidence"), ({"lookup_gamma": 0}, "lookup_gamma"),
+                         ({"answer_gamma": 0}, "answer_gamma"),
                          ({"hybrid_min_ngram": 4}, "hybrid_min_ngram"), ({"method": "tree"}, "method")]:
         with pytest.raises(ValueError, match=message):
             SpeculativeConfig(**bad).validate()
@@ -437,7 +438,7 @@ def test_a_right_drafted_answer_is_verified_in_few_forwards(codec, codec_target,
     answer = AutoregressiveEngine(codec_target, codec).generate(greedy_requests([prompt], max_tokens=30))[0]
     assert len(answer.token_ids) == 30
     engine = SpeculativeEngine(codec_target, codec, drafter=drafter,
-                               speculative=SpeculativeConfig(method="diffusion", gamma=8))
+                               speculative=SpeculativeConfig(method="diffusion", gamma=8, answer_gamma=8))
     right = engine.generate([GenerationRequest(prompt, SamplingParams(max_tokens=30), draft_ids=answer.token_ids)])[0]
     assert right.token_ids == answer.token_ids and right.draft_forwards == 0
     assert right.acceptance_rate == 1.0
@@ -517,10 +518,15 @@ def test_every_method_verifies_an_answer_the_request_brings(codec, codec_target,
     answer = AutoregressiveEngine(codec_target, codec).generate(greedy_requests([prompt], max_tokens=20))[0]
     draft = build_model(1, vocab_size=codec.vocab_size, num_layers=1)
     engine = SpeculativeEngine(codec_target, codec, draft=draft,
-                               speculative=SpeculativeConfig(gamma=4, **PROPOSERS[proposer]))
+                               speculative=SpeculativeConfig(gamma=4, answer_gamma=4, **PROPOSERS[proposer]))
     right = engine.generate([GenerationRequest(prompt, SamplingParams(max_tokens=20), draft_ids=answer.token_ids)])[0]
     assert right.token_ids == answer.token_ids and right.acceptance_rate == 1.0
     assert right.draft_forwards == 0 and right.forwards == 1 + 4  # 4 verifies of 5 tokens, the last one short
+    # By default a drafted answer is verified answer_gamma (64) tokens at a time, whatever gamma.
+    wide = SpeculativeEngine(codec_target, codec, draft=draft,
+                             speculative=SpeculativeConfig(gamma=4, **PROPOSERS[proposer]))
+    whole = wide.generate([GenerationRequest(prompt, SamplingParams(max_tokens=20), draft_ids=answer.token_ids)])[0]
+    assert whole.token_ids == answer.token_ids and whole.forwards == 2  # the prefill and one verify
     plain = engine.generate(greedy_requests([prompt], max_tokens=20))[0]
     assert plain.token_ids == answer.token_ids and plain.acceptance_rate != 1.0
 

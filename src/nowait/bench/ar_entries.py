@@ -204,3 +204,49 @@ def ar_structured_entry(model: Transformer, codec: TextCodec, docs: list[Documen
     engine = build_ar_engine(model, codec, structured=True, config=EngineConfig(max_num_seqs=1))
     completions = decode_documents_with(engine, docs, codec, structured=True, one_at_a_time=True)
     return {**completion_metrics(completions, docs), "engine": "ar-structured", "batch_size": 1, "n": len(docs)}
+
+
+def fallback_entry(model: Transformer, codec: TextCodec, docs: list[Document], drafter: Transformer,
+                   drafter_codec: TextCodec | None = None, draft: Transformer | None = None,
+                   draft_codec: TextCodec | None = None) -> dict:
+    """`nowait bench engines` entry `fallback`: what re-running a diffusion answer on AR costs.
+
+    Each document is answered by the diffusion engine (its fast default) first; then, taking
+    turns, the AR engine decodes it from scratch (the gateway's plain `ar` fallback) and
+    speculative engines verify the diffusion answer as their draft (`draft_ids`, what a
+    `kind: spec` fallback engine receives, verified `answer_gamma` tokens per forward): an engine
+    with method diffusion's settings and, given a draft model, one with hybrid's (its proposer
+    takes over where the answer stops matching). Latency is the re-run's alone: the diffusion answer
+    was already paid for. The entry's fields are the fastest verifier's; each one's speed-up
+    over the AR engine and whether its greedy output equals AR's are beside them.
+    """
+    from nowait.engines.diffusion_engine import DiffusionEngine
+
+    config = EngineConfig(max_num_seqs=1)
+    answers = DiffusionEngine(drafter, drafter_codec or codec, max_batch=1)
+    verifiers: dict[str, SpeculativeEngine] = {
+        "diffusion": build_spec_engine(model, codec, "diffusion", drafter, None, config=config,
+                                       draft_codec=drafter_codec)}
+    if draft is not None:
+        verifiers["hybrid"] = build_spec_engine(model, codec, "hybrid", draft, None, config=config,
+                                                draft_codec=draft_codec)
+    plain = AutoregressiveEngine(model, codec, config)
+    reruns: dict[str, list[Completion]] = {"ar": [], **{name: [] for name in verifiers}}
+    for doc in docs:
+        [answer] = answers.generate([document_request(doc, drafter_codec or codec)])
+        reruns["ar"] += plain.generate([document_request(doc, codec)])
+        for name, engine in verifiers.items():
+            request = document_request(doc, codec)
+            request.draft_ids = answer.token_ids
+            reruns[name] += engine.generate([request])
+    baseline = reruns.pop("ar")
+    ar = completion_metrics(baseline, docs)
+    results = {}
+    for name, completions in reruns.items():
+        metrics = completion_metrics(completions, docs)
+        results[name] = {**metrics, "answer_gamma": verifiers[name].speculative.answer_gamma,
+                         "greedy_identical_to_ar": _identical(completions, baseline),
+                         "speedup_p50_vs_ar": ar["latency_ms_p50"] / max(metrics["latency_ms_p50"], 1e-9)}
+    best = min(results, key=lambda name: results[name]["latency_ms_p50"])
+    return {**results[best], "engine": "fallback", "verifier": best, "batch_size": 1, "verifiers": results,
+            "ar": ar, "n": len(docs)}

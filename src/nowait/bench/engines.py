@@ -207,6 +207,22 @@ def _spec_helper(ctx: BenchContext, target: LoadedModel, role: str,
     return helper, None
 
 
+@register_entry("fallback")
+def fallback_bench_entry(ctx: BenchContext) -> dict:
+    """A diffusion answer re-run on AR: decoded from scratch, or verified as a draft (not in the
+    default entries: `--only fallback`)."""
+    from nowait.bench.ar_entries import fallback_entry
+    from nowait.engines.speculative import check_draft, check_drafter_model
+
+    loaded = ctx.model("ar")
+    drafter, refused = _spec_helper(ctx, loaded, "diffusion", check_drafter_model)
+    if drafter is None:
+        raise BenchError(f"the fallback entry needs a diffusion model with the AR model's tokenizer ({refused})")
+    draft, _ = _spec_helper(ctx, loaded, "draft", check_draft)
+    return fallback_entry(loaded.model, loaded.codec, ctx.docs, drafter.model, drafter.codec,
+                          draft.model if draft else None, draft.codec if draft else None)
+
+
 @register_entry("ar-structured")
 def ar_structured_bench_entry(ctx: BenchContext) -> dict:
     """Greedy AR constrained by each kind's JSON Schema grammar, batch size 1."""
@@ -321,6 +337,12 @@ def _print_table(report: dict) -> None:
             console.print(f"{e['name']}: diffusion drafter left out ({e['drafter_refused']}); method diffusion "
                           "skipped", highlight=False)
     for e in report["engines"]:
+        for verifier, m in (e.get("verifiers") or {}).items():
+            console.print(f"{e['name']}: a diffusion answer verified by {verifier} ({m['answer_gamma']} tokens a "
+                          f"verify) in "
+                          f"{m['latency_ms_p50']:.1f} ms p50 vs {e['ar']['latency_ms_p50']:.1f} ms decoded by AR "
+                          f"({m['speedup_p50_vs_ar']:.2f}x), greedy output identical to AR: "
+                          f"{m['greedy_identical_to_ar']}", highlight=False)
         for method, m in (e.get("methods") or {}).items():
             console.print(f"{e['name']} {method}: p50 {m['latency_ms_p50']:.1f} ms, {m['speedup_p50_vs_ar']:.2f}x "
                           f"vs the AR engine taking turns, acceptance {m.get('acceptance_rate') or 0:.2f}, greedy "

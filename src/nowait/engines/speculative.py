@@ -293,6 +293,14 @@ class SpeculativeConfig:
     # Method diffusion: the drafter's commit threshold (None: the drafter's own). A looser tau
     # drafts in fewer forwards; the target corrects what it gets wrong, so only speed changes.
     drafter_tau: float | None = None
+    # Tokens of a drafted answer (method diffusion, or a request's draft_ids) one verify checks,
+    # at most: such an answer is mostly right, so a long verify pays where a guessed one would not.
+    answer_gamma: int = 64
+
+    @property
+    def widest(self) -> int:
+        """The most proposals one row's verify can carry."""
+        return max(self.gamma, self.answer_gamma)
 
     def validate(self) -> None:
         if self.method not in ("draft", "ngram", "hybrid", "diffusion"):
@@ -305,6 +313,8 @@ class SpeculativeConfig:
             raise ValueError(f"draft_confidence must be in [0, 1), got {self.draft_confidence}")
         if self.lookup_gamma is not None and self.lookup_gamma < 1:
             raise ValueError(f"lookup_gamma must be at least 1 (or None for gamma), got {self.lookup_gamma}")
+        if self.answer_gamma < 1:
+            raise ValueError(f"answer_gamma must be at least 1, got {self.answer_gamma}")
         if self.drafter_tau is not None and not 0 < self.drafter_tau <= 1:
             raise ValueError(f"drafter_tau must be in (0, 1], got {self.drafter_tau}")
         if not 1 <= self.hybrid_min_ngram <= self.max_ngram:
@@ -333,7 +343,7 @@ SPEC_SETTINGS: dict[str, SpeculativeConfig] = {
     "ngram": SpeculativeConfig(method="ngram", gamma=4),
     "draft": SpeculativeConfig(method="draft", gamma=8, draft_confidence=0.9),
     "hybrid": SpeculativeConfig(method="hybrid", gamma=12, draft_confidence=0.95, lookup_gamma=5),
-    "diffusion": SpeculativeConfig(method="diffusion", gamma=64, drafter_tau=0.99),
+    "diffusion": SpeculativeConfig(method="diffusion", gamma=64, drafter_tau=0.99, answer_gamma=64),
 }
 SPEC_METHODS = tuple(SPEC_SETTINGS)
 BEST_METHOD = "hybrid"  # the default of `nowait eval --engine spec` and the gateway's spec engines
@@ -378,9 +388,10 @@ class SpeculativeEngine(AutoregressiveEngine):
         return [self.model] + ([self.draft] if self.draft is not None else [])
 
     def _lookahead(self) -> int:
-        # Cache slots past max_model_len a row may write: the verify's pending + gamma positions,
-        # and the draft's catch-up forward (up to `_catch_up` tokens, right padded in a batch).
-        return self._catch_up + 1
+        # Cache slots past max_model_len a row may write: the verify's pending + proposals (a
+        # drafted answer's up to answer_gamma), and the draft's catch-up forward (up to
+        # `_catch_up` tokens, right padded in a batch).
+        return max(self._catch_up, self.speculative.widest + 1) + 1
 
     @property
     def _catch_up(self) -> int:
@@ -391,7 +402,10 @@ class SpeculativeEngine(AutoregressiveEngine):
     def _run_decode(self, batch: ScheduledBatch) -> None:
         seqs = self._rows(batch)
         spec = self.speculative
-        if not should_speculate(len(seqs), spec.gamma, spec.max_batch, self.config.max_num_batched_tokens):
+        # A drafted answer's rows may propose answer_gamma tokens: the skip rule counts them.
+        answers = spec.method == "diffusion" or any(s.request.draft_ids is not None for s in seqs)
+        width = spec.widest if answers else spec.gamma
+        if not should_speculate(len(seqs), width, spec.max_batch, self.config.max_num_batched_tokens):
             super()._run_decode(batch)
             return
         budgets = [self._proposal_budget(s) for s in seqs]
@@ -404,8 +418,8 @@ class SpeculativeEngine(AutoregressiveEngine):
                              and (spec.method == "diffusion" or s.request.draft_ids is not None)])
         # Where the drafted answer has nothing to offer (it ran out, or the drafter refused),
         # the method's own proposer takes over.
-        from_answer = [self._answer_proposal(s, b) if s.draft_answer is not None else []
-                       for s, b in zip(seqs, budgets, strict=True)]
+        from_answer = [self._answer_proposal(s, self._proposal_budget(s, spec.answer_gamma)) if b and
+                       s.draft_answer is not None else [] for s, b in zip(seqs, budgets, strict=True)]
         lookups = [answer if answer else self._lookup_proposal(s, b) if spec.method in ("ngram", "hybrid") else []
                    for s, b, answer in zip(seqs, budgets, from_answer, strict=True)]
         # ngram: the lookup always; draft: the model always; hybrid: the model where no lookup.
@@ -423,9 +437,9 @@ class SpeculativeEngine(AutoregressiveEngine):
         else:
             self._verify(seqs, proposals, proposal_distributions(proposals, drafted, draft_probs), params)
 
-    def _proposal_budget(self, seq: Sequence) -> int:
+    def _proposal_budget(self, seq: Sequence, gamma: int | None = None) -> int:
         # The verify always yields one token of its own, so propose at most remaining - 1.
-        return max(0, min(self.speculative.gamma, seq.remaining_tokens - 1))
+        return max(0, min(gamma or self.speculative.gamma, seq.remaining_tokens - 1))
 
     def _lookup_proposal(self, seq: Sequence, budget: int, drafted: list[int] | None = None) -> list[int]:
         """Prompt lookup for one row (after this step's `drafted` tokens, if any), cut at a stop

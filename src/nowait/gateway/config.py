@@ -83,10 +83,12 @@ class SpecEngineConfig(ArEngineConfig):
                                      "(default: the method's)")
     drafter_tau: float | None = Field(None, gt=0, le=1, description="method diffusion: the drafter's commit "
                                       "threshold (default: the method's)")
+    answer_gamma: int | None = Field(None, ge=1, description="tokens of a drafted answer (method diffusion, or a "
+                                     "fast engine's answer on fallback) one verify checks (default: 64)")
 
     def speculative_config(self) -> SpeculativeConfig:
         """The engine's settings: the method's tuned ones, with what this config sets instead."""
-        chosen = {name: value for name in ("gamma", "draft_confidence", "lookup_gamma", "drafter_tau")
+        chosen = {name: value for name in ("gamma", "draft_confidence", "lookup_gamma", "drafter_tau", "answer_gamma")
                   if (value := getattr(self, name)) is not None}
         return replace(SPEC_SETTINGS[self.method], **chosen)
 
