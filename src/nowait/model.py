@@ -184,6 +184,13 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
+# The attention pattern of a causal forward over an empty cache (a prompt's prefill): every
+# query sees the keys up to its own, which `is_causal` gives without a mask. Right padding
+# needs none either: a real token only sees earlier, real ones, and the padding's outputs and
+# keys are never read. An explicit [B, 1, T, T] mask costs the CPU kernel several times more.
+CAUSAL_FROM_START = "causal-from-start"
+
+
 def grouped_decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     """One new token per row over its cached keys: q [B, 1, H, D], k and v [B, kv_heads, S, D]
     (slices of the cache), mask [B, 1, 1, S] -> [B, 1, H, D].
@@ -235,12 +242,14 @@ class Attention(nn.Module):
             else:  # read the prefix, keep the new keys out of the cache
                 k = torch.cat([keys[:, :, :key_slots].to(q.dtype), k], dim=2)
                 v = torch.cat([values[:, :, :key_slots].to(q.dtype), v], dim=2)
-        if length == 1 and mask is not None:
+        from_start = isinstance(mask, str)  # CAUSAL_FROM_START
+        if length == 1 and mask is not None and not from_start:
             out = grouped_decode_attention(q, k, v, mask)
         else:
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k, v,
-                attn_mask=mask, is_causal=mask is None and c.causal and cache is None,
+                attn_mask=None if from_start else mask,
+                is_causal=from_start or (mask is None and c.causal and cache is None),
                 enable_gqa=c.num_kv_heads != c.num_heads,
             ).transpose(1, 2)
         return self.o_proj(out.reshape(batch, length, -1))
@@ -353,13 +362,15 @@ class Transformer(nn.Module):
             mask = None
             if length > 1 and self.config.causal:
                 slot = torch.arange(start + length, device=device)
-                mask = (slot[None, :] <= (start + new_index)[:, None])[None, None]
+                mask = (slot[None, :] <= (start + new_index)[:, None])[None, None] if start else CAUSAL_FROM_START
             return mask, slice(start, start + length), start + length
         if write_cache:
             if int((prefix + length).max()) > cache.max_tokens:
                 raise ValueError(f"KV cache holds {cache.max_tokens} tokens; this forward needs more")
             write_positions = prefix[:, None] + new_index
             key_slots = int((prefix + length).max())
+            if self.config.causal and key_slots == length and length > 1 and not bool(prefix.any()):
+                return CAUSAL_FROM_START, write_positions, key_slots
             slot = torch.arange(key_slots, device=device)
             valid = slot[None, :] < (prefix + valid_lengths)[:, None]  # [B, S]
             mask = valid[:, None, :].expand(-1, length, -1)
