@@ -54,6 +54,34 @@ def test_costs_are_consistent_with_the_identity(bank):
     assert apis["frontier-api"]["allowed"] is False  # restricted data never leaves
 
 
+def test_a_verifying_fallback_rechecks_the_answer_instead_of_decoding_it():
+    """fallback: verify prices the re-run as the target checking the diffusion answer,
+    verify_gamma tokens per forward: much sooner than decoding it from scratch; its cost per token
+    at a full batch is about AR's (compute-bound either way), so the fleet's cost barely moves;
+    the diffusion answers themselves are planned as before."""
+    from nowait.planner.engines import request_seconds
+    from nowait.planner.plan import build_fleets
+
+    scenario = load_scenario(BANK)
+    verifying = scenario.model_copy(deep=True)
+    verifying.engines.diffusion.fallback = "verify"
+
+    def onboarding(s):
+        return next(w for w in to_json(make_plan(s))["workloads"] if w["name"] == "realtime-onboarding")
+
+    decode, verify = onboarding(scenario)["engines"]["diffusion"], onboarding(verifying)["engines"]["diffusion"]
+    assert verify["p99_latency_s"] == decode["p99_latency_s"] and verify["nodes"] == decode["nodes"]
+    assert verify["cost_per_mtok_usd"] == pytest.approx(decode["cost_per_mtok_usd"], rel=0.02)
+    fleets = build_fleets(verifying)
+    checker, ar = fleets["verify"].make(1), fleets["ar"].make(1)
+    assert checker.draft(100, 0, 1) == 0  # the draft exists already: drafting is free
+    assert request_seconds(checker, 1, 500, 100) < request_seconds(ar, 1, 500, 100) / 5
+    made = make_plan(verifying)
+    plan = next(w for w in made.workloads if w.workload.name == "realtime-onboarding")
+    reference = next(w for w in make_plan(scenario).workloads if w.workload.name == "realtime-onboarding")
+    assert plan.engines["diffusion"].fallback_latency_s < reference.engines["diffusion"].fallback_latency_s
+
+
 def test_a_draft_model_and_a_mixture_of_experts_plan_end_to_end():
     from nowait.planner import parse_scenario
 

@@ -67,6 +67,7 @@ class EnginePlan:
     cost_per_request_usd: float | None = None
     fallback_rate: float = 0.0
     fallback_latency_s: float | None = None
+    fallback_mode: str = "decode"  # how a re-run works: decode on AR, or verify the answer as a draft
     note: str = ""
 
 
@@ -172,8 +173,18 @@ def build_fleets(scenario: Scenario, fitted: dict[str, FittedStepTime] | None = 
         return DiffusionServing(model=t, block_width=p.block_width, tokens_per_forward=p.tokens_per_forward,
                                 cache=p.cache, max_batch=cap, kv_token_budget=diffusion_budget)
 
+    def verify(cap: int, ideal: bool = False) -> ServingModel:
+        # A fallback that verifies the doubted diffusion answer: a speculative target whose draft
+        # is free (the answer exists already), checking verify_gamma tokens per forward.
+        t = RooflineTimer(target.ideal()) if ideal else timer("ar", target)
+        p = diffusion_parameters
+        return SpeculativeServing(target=t, draft=ScaledTimer(t, 0.0), gamma=p.verify_gamma,
+                                  acceptance_rate=p.verify_acceptance, max_batch=cap, kv_token_budget=target_budget,
+                                  name="verify")
+
     builders = {"ar": (ar, target, settings.ar.max_batch), "spec": (spec, target, spec_parameters.max_batch),
-                "diffusion": (diff, diffusion, diffusion_parameters.max_batch)}
+                "diffusion": (diff, diffusion, diffusion_parameters.max_batch),
+                "verify": (verify, target, settings.ar.max_batch)}
     return {name: EngineFleet(name=name, make=build, make_ideal=lambda cap, build=build: build(cap, True),
                               replicas_per_node=deployment.replicas_per_node, max_batch=max_batch,
                               deployment=deployment)
@@ -281,8 +292,10 @@ def batched_ar_cost_per_mtok(fleet: EngineFleet, mean_in: float, mean_out: float
     return cost.cost_per_mtok(node_usd_per_hour, throughput, max_utilization)
 
 
-def fold_fallback(diffusion: EnginePlan, fallback_rate: float, ar_usd_per_mtok: float, ar_seconds: float) -> None:
+def fold_fallback(diffusion: EnginePlan, fallback_rate: float, ar_usd_per_mtok: float, ar_seconds: float,
+                  mode: str = "decode") -> None:
     diffusion.fallback_rate = fallback_rate
+    diffusion.fallback_mode = mode
     if not diffusion.feasible or diffusion.own_cost_per_mtok_usd is None:
         return
     own = diffusion.own_cost_per_mtok_usd
@@ -307,9 +320,13 @@ def plan_workload(scenario: Scenario, fleets: dict[str, EngineFleet], workload: 
                                   data_class=workload.data_class), scenario.routing_policy())
     engines = {name: plan_engine(fleets[name], requests, workload.rate_per_s, workload.p99_latency_s, price,
                                  sim.max_utilization, sim.warmup_fraction) for name in ENGINES}
-    ar_cost = batched_ar_cost_per_mtok(fleets["ar"], mean_in, mean_out, price, sim.max_utilization)
-    ar_alone = request_seconds(fleets["ar"].make(1), 1, mean_in, mean_out)
-    fold_fallback(engines["diffusion"], fallback_rate, ar_cost, ar_alone)
+    # The fallback re-run: decoded from scratch on AR, or (fallback: verify) the diffusion answer
+    # checked as a draft by the same target.
+    mode = scenario.engines.diffusion.fallback
+    rerun = fleets["verify"] if mode == "verify" else fleets["ar"]
+    ar_cost = batched_ar_cost_per_mtok(rerun, mean_in, mean_out, price, sim.max_utilization)
+    ar_alone = request_seconds(rerun.make(1), 1, mean_in, mean_out)
+    fold_fallback(engines["diffusion"], fallback_rate, ar_cost, ar_alone, mode)
     apis = [ApiQuote(api.name, cost.api_usd_per_mtok(mean_in, mean_out, api.input_usd_per_mtok,
                                                      api.output_usd_per_mtok),
                      allowed=workload.data_class in api.data_classes, frontier=api.frontier)
@@ -406,6 +423,8 @@ def to_json(plan: Plan) -> dict:
                 "min_p99_target_s": number(e.min_p99_target_s),
                 "roofline_ceiling_tokens_per_s": number(e.roofline_ceiling_tokens_per_s),
                 "fallback_rate": e.fallback_rate if name == "diffusion" else None,
+                "fallback_latency_s": number(e.fallback_latency_s) if name == "diffusion" else None,
+                "fallback_mode": e.fallback_mode if name == "diffusion" else None,
                 "note": e.note,
             }
         workloads.append({

@@ -70,7 +70,8 @@ def findings(plan: Plan) -> list[str]:
             caveat = ""
             if d.fallback_rate > 0.01 and d.fallback_latency_s and d.fallback_latency_s > w.workload.p99_latency_s:
                 caveat = (f" (for the {1 - d.fallback_rate:.0%} of answers diffusion keeps: the {d.fallback_rate:.0%} "
-                          f"re-run on AR take about {fmt(d.fallback_latency_s)} s)")
+                          f"{'verified' if d.fallback_mode == 'verify' else 're-run'} on AR take about "
+                          f"{fmt(d.fallback_latency_s)} s)")
             lines.append(f"`{name}`: diffusion holds the target on {d.nodes} node(s){caveat} at "
                          f"{money(d.cost_per_mtok_usd)}/Mtok, fallback included.")
         if routed is not None and routed.feasible:
@@ -243,9 +244,10 @@ def _workload_section(plan: Plan, w: WorkloadPlan) -> list[str]:
             lines.append(f"- {ENGINE_LABELS[name]}: {e.note}.")
     d = w.engines["diffusion"]
     if d.feasible and d.fallback_rate:
+        how = "AR verifying its answer as a draft" if d.fallback_mode == "verify" else "AR alone"
         lines.append(f"- Diffusion fallback: {d.fallback_rate:.0%} of answers re-run on AR, priced in "
                      f"({money(d.own_cost_per_mtok_usd)} -> {money(d.cost_per_mtok_usd)} per Mtok). A re-run answer "
-                     f"arrives after about {fmt(d.fallback_latency_s)} s (diffusion, then AR alone); the p99 above is "
+                     f"arrives after about {fmt(d.fallback_latency_s)} s (diffusion, then {how}); the p99 above is "
                      "over diffusion answers. " + (
                          f"With more than 1% falling back, the p99 over all answers is about "
                          f"{fmt(d.fallback_latency_s)} s"

@@ -196,6 +196,12 @@ class DiffusionSettings(Strict):
     cache: Literal["none", "prefix", "dual", "dual-blocks", "block"] = "dual"
     max_batch: int = Field(64, ge=1)
     fallback_rate: float = Field(0.03, ge=0, le=1, description="share of answers below the confidence threshold")
+    fallback: Literal["decode", "verify"] = Field(
+        "decode", description="how a doubted answer is re-run on the target: decoded from scratch (a plain AR "
+                              "fallback engine), or verified as a draft (a speculative fallback engine)")
+    verify_gamma: int = Field(64, ge=1, description="verify: drafted tokens one target forward checks")
+    verify_acceptance: float = Field(0.9, ge=0, le=1, description="verify: share of the doubted answer's tokens "
+                                     "the target keeps (0.998 on the fast default's answers; doubted ones miss more)")
 
     @model_validator(mode="after")
     def _commit_within_block(self) -> DiffusionSettings:
