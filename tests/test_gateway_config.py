@@ -93,6 +93,16 @@ def test_spec_engines_load_their_draft_and_refuse_one_with_another_tokenizer(tmp
     assert "diffusion model" in backends["causal-drafter"].unavailable_reason
 
 
+def test_absolute_paths_in_a_file_are_kept(tmp_path):
+    data = tmp_path / "elsewhere" / "data"
+    path = tmp_path / "nowait.yaml"
+    path.write_text(f"engines:\n  ar: {{kind: ar}}\nrouting: {{fast_engine: null}}\ndata_dir: {data}\n"
+                    f"batches: {{database: {data / 'jobs.sqlite'}}}\n")
+    config = load_config(path)
+    assert config.data_dir == data and config.audit_log_path == data / "audit.jsonl"
+    assert config.batch_database == data / "jobs.sqlite"
+
+
 def test_a_spec_engine_without_a_draft_key_takes_its_methods_bundled_draft(tmp_path):
     path = tmp_path / "nowait.yaml"
     path.write_text("engines:\n  ar: {kind: ar}\n  s: {kind: spec, method: diffusion}\n  h: {kind: spec}\n"

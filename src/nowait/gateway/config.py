@@ -318,7 +318,7 @@ def format_validation_error(error: ValidationError, data: Any, source: str) -> s
 def _resolve_paths(config: GatewayConfig, base: Path) -> GatewayConfig:
     """Relative paths in a file are relative to the file, not to wherever the server starts."""
     def resolve(path: Path | None) -> Path | None:
-        return None if path is None or path.is_absolute() else base / path
+        return path if path is None or path.is_absolute() else base / path
 
     engines = {}
     for name, engine in config.engines.items():
