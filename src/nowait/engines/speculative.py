@@ -21,11 +21,10 @@ Three proposers share one verifier:
   diffusion model drafts the whole answer in a few parallel forwards (`drafter`, a
   `DiffusionEngine` with the target's tokenizer), or the request brings a drafted answer
   (`GenerationRequest.draft_ids`, e.g. a diffusion answer the gateway falls back from; every
-  method verifies such an answer); the target then verifies up to `gamma` of its tokens per
-  forward. Where the target disagrees, the
-  rest of the draft usually still fits a token or two later (a value one token longer), so
-  each proposal re-aligns the output's last tokens on the draft (`propose_from_draft`), as
-  prompt lookup does on the prompt.
+  method verifies such an answer); the target then verifies up to `answer_gamma` of its tokens
+  per forward. Where the target disagrees, the rest of the draft usually still fits a token or
+  two later (a value one token longer), so each proposal re-aligns the output's last tokens on
+  the draft (`propose_from_draft`), as prompt lookup does on the prompt.
 
 The target scores the pending token plus the proposals in one forward; proposals are accepted
 left to right with probability min(1, p(x) / q(x)) (p: target, q: draft; the issue writes them
