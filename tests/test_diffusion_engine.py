@@ -342,6 +342,37 @@ def test_templates_in_several_blocks_batched_equal_alone(codec):
         assert schema_valid(json.loads(together.text), kind)
 
 
+def test_with_a_template_in_the_batch_rows_forward_alone_and_equal_their_runs_alone(codec):
+    """While a schema request is active every forward carries one row (through a view of its
+    cache row: no padding, no mask); free-form requests that join or stay after it decode as
+    alone either way."""
+    from nowait.extraction.corpus import schema_for
+
+    model = diffusion_model(codec, seed=12)
+    prompts = prompts_of([5, 11, 8, 6], seed=12)
+    requests = [GenerationRequest(prompts[0], SamplingParams(max_tokens=512), schema=schema_for("kyc"),
+                                  options={"block": 8}),
+                request(prompts[1], max_tokens=24, block=8),
+                request(prompts[2], max_tokens=40, block=8, temperature=0.7, seed=3),
+                request(prompts[3], max_tokens=16, block=4)]
+    engine = DiffusionEngine(model, codec, max_batch=3)
+    widths = []
+    forward = model.forward
+
+    def recording(ids, *args, **kwargs):
+        widths.append(ids.shape[0])
+        return forward(ids, *args, **kwargs)
+
+    model.forward = recording
+    batched = engine.generate(requests)
+    mixed = list(widths)
+    model.forward = forward
+    alone = [engine.generate([r])[0] for r in requests]
+    for together, single in zip(batched, alone, strict=True):
+        assert together.token_ids == single.token_ids and together.forwards == single.forwards
+    assert set(mixed[: 2 * batched[0].forwards]) == {1}  # rows alone while the template row lives
+
+
 def test_seeded_sampling_is_reproducible_and_differs_by_seed(codec):
     engine = DiffusionEngine(diffusion_model(codec, seed=6), codec)
     prompt = prompts_of([6], seed=6)[0]

@@ -57,15 +57,25 @@ def empty_cache(model: Transformer, batch: int, capacity: int) -> KVCache:
     return KVCache(model.config, batch, capacity, dtype=weight.dtype, device=weight.device)
 
 
-def prefill(model: Transformer, prefixes: list[Tensor], capacity: int, pad_id: int) -> KVCache:
+def prefill(model: Transformer, prefixes: list[Tensor], capacity: int, pad_id: int,
+            one_by_one: bool = False) -> KVCache:
     """A cache of the given prefixes (the prompts' keys/values, computed once).
 
     An empty prefix stays out of the forward: a row with no valid key would attend to nothing
-    and write NaN keys that later poison its masked-out slots.
+    and write NaN keys that later poison its masked-out slots. `one_by_one`: a forward per
+    prefix, each through a view of its row (unpadded, unmasked), instead of one padded forward.
     """
+    from nowait.engines.runner import cache_view
+
     cache = empty_cache(model, len(prefixes), capacity)
     rows = [row for row, prefix in enumerate(prefixes) if len(prefix)]
     if not rows:
+        return cache
+    if one_by_one and len(rows) > 1:
+        nothing = torch.zeros(1, 0, dtype=torch.long, device=cache.lengths.device)  # keys/values only
+        for row in rows:
+            forward_spans(model, [prefixes[row]], [0], pad_id, cache_view(cache, 1, row), write=True, outputs=nothing)
+        cache.lengths = torch.tensor([len(p) for p in prefixes], device=cache.lengths.device)
         return cache
     part = cache if len(rows) == len(prefixes) else empty_cache(model, len(rows), capacity)
     nothing = torch.zeros(len(rows), 0, dtype=torch.long, device=part.lengths.device)  # keys/values only

@@ -19,17 +19,17 @@ from nowait.engines.sequence import Sequence
 from nowait.model import KVCache, Transformer
 
 
-def cache_view(cache: KVCache, rows: int) -> KVCache:
-    """A KVCache over rows [0, rows) of `cache` sharing its storage (slices are views), so a
-    forward through it writes keys/values in place; copy `lengths` back after it (a forward
-    replaces its cache's `lengths` tensor rather than writing into it).
+def cache_view(cache: KVCache, rows: int, start: int = 0) -> KVCache:
+    """A KVCache over rows [start, start + rows) of `cache` sharing its storage (slices are
+    views), so a forward through it writes keys/values in place; copy `lengths` back after it
+    (a forward replaces its cache's `lengths` tensor rather than writing into it).
 
     (`KVCache` has no view constructor; one in nowait.model would replace this helper.)
     """
     view = KVCache.__new__(KVCache)
-    view.keys = [k[:rows] for k in cache.keys]
-    view.values = [v[:rows] for v in cache.values]
-    view.lengths = cache.lengths[:rows]
+    view.keys = [k[start: start + rows] for k in cache.keys]
+    view.values = [v[start: start + rows] for v in cache.values]
+    view.lengths = cache.lengths[start: start + rows]
     view.max_tokens = cache.max_tokens
     return view
 
