@@ -125,6 +125,17 @@ class KVCache:
     def truncate(self, lengths: Tensor) -> None:
         self.lengths = torch.minimum(self.lengths, lengths.to(self.lengths))
 
+    def view(self, start: int, rows: int) -> KVCache:
+        """Rows [start, start + rows) sharing this cache's storage (slices are views), so a
+        forward through the view writes keys/values in place. A forward replaces its cache's
+        `lengths` tensor rather than writing into it: copy the view's lengths back after it."""
+        view = KVCache.__new__(KVCache)
+        view.keys = [k[start: start + rows] for k in self.keys]
+        view.values = [v[start: start + rows] for v in self.values]
+        view.lengths = self.lengths[start: start + rows]
+        view.max_tokens = self.max_tokens
+        return view
+
     def select(self, rows: Tensor) -> None:
         """Keep only the given batch rows (in that order), e.g. when sequences finish."""
         self.keys = [k[rows] for k in self.keys]

@@ -17,7 +17,13 @@ import numpy as np
 
 from nowait.engines.autoregressive import AutoregressiveEngine, EngineConfig, greedy_decode
 from nowait.engines.base import Completion, GenerationRequest, SamplingParams
-from nowait.engines.speculative import SPEC_METHODS, SPEC_SETTINGS, SpeculativeConfig, SpeculativeEngine
+from nowait.engines.speculative import (
+    SPEC_METHODS,
+    SPEC_SETTINGS,
+    SpeculativeConfig,
+    SpeculativeEngine,
+    build_drafter,
+)
 from nowait.evaluation import ANSWER_WINDOW
 from nowait.extraction.corpus import Document, documents, schema_for
 from nowait.extraction.scorer import score_document, summarize
@@ -53,14 +59,6 @@ def build_spec_engine(model: Transformer, codec: TextCodec, method: str = "ngram
         return SpeculativeEngine(model, codec, config, grammar=grammar, speculative=settings, drafter=drafter)
     return SpeculativeEngine(model, codec, config, draft=draft, grammar=grammar, draft_codec=draft_codec,
                              speculative=settings)
-
-
-def build_drafter(model: Transformer, codec: TextCodec, max_batch: int = 4):
-    """The diffusion engine that drafts answers for method diffusion (its fast default; the
-    speculative settings' `drafter_tau` goes with each drafting request)."""
-    from nowait.engines.diffusion_engine import DiffusionEngine
-
-    return DiffusionEngine(model, codec, max_batch=max_batch)
 
 
 def spec_settings(method: str, gamma: int | None = None) -> SpeculativeConfig:
@@ -220,10 +218,8 @@ def fallback_entry(model: Transformer, codec: TextCodec, docs: list[Document], d
     was already paid for. The entry's fields are the fastest verifier's; each one's speed-up
     over the AR engine and whether its greedy output equals AR's are beside them.
     """
-    from nowait.engines.diffusion_engine import DiffusionEngine
-
     config = EngineConfig(max_num_seqs=1)
-    answers = DiffusionEngine(drafter, drafter_codec or codec, max_batch=1)
+    answers = build_drafter(drafter, drafter_codec or codec, max_batch=1)
     verifiers: dict[str, SpeculativeEngine] = {
         "diffusion": build_spec_engine(model, codec, "diffusion", drafter, None, config=config,
                                        draft_codec=drafter_codec)}

@@ -65,23 +65,21 @@ def prefill(model: Transformer, prefixes: list[Tensor], capacity: int, pad_id: i
     and write NaN keys that later poison its masked-out slots. `one_by_one`: a forward per
     prefix, each through a view of its row (unpadded, unmasked), instead of one padded forward.
     """
-    from nowait.engines.runner import cache_view
-
     cache = empty_cache(model, len(prefixes), capacity)
     rows = [row for row, prefix in enumerate(prefixes) if len(prefix)]
     if not rows:
         return cache
-    if one_by_one and len(rows) > 1:
+    if one_by_one:
         nothing = torch.zeros(1, 0, dtype=torch.long, device=cache.lengths.device)  # keys/values only
         for row in rows:
-            forward_spans(model, [prefixes[row]], [0], pad_id, cache_view(cache, 1, row), write=True, outputs=nothing)
-        cache.lengths = torch.tensor([len(p) for p in prefixes], device=cache.lengths.device)
-        return cache
-    part = cache if len(rows) == len(prefixes) else empty_cache(model, len(rows), capacity)
-    nothing = torch.zeros(len(rows), 0, dtype=torch.long, device=part.lengths.device)  # keys/values only
-    forward_spans(model, [prefixes[row] for row in rows], [0] * len(rows), pad_id, part, write=True, outputs=nothing)
-    if part is not cache:
-        put_rows(cache, rows, part, int(part.lengths.max()))
+            forward_spans(model, [prefixes[row]], [0], pad_id, cache.view(row, 1), write=True, outputs=nothing)
+    else:
+        part = cache if len(rows) == len(prefixes) else empty_cache(model, len(rows), capacity)
+        nothing = torch.zeros(len(rows), 0, dtype=torch.long, device=part.lengths.device)  # keys/values only
+        forward_spans(model, [prefixes[row] for row in rows], [0] * len(rows), pad_id, part, write=True,
+                      outputs=nothing)
+        if part is not cache:
+            put_rows(cache, rows, part, int(part.lengths.max()))
     cache.lengths = torch.tensor([len(p) for p in prefixes], device=cache.lengths.device)
     return cache
 

@@ -40,7 +40,6 @@ from nowait.engines.diffusion_cache import (
 )
 from nowait.engines.diffusion_request import DecodePlan, DiffusionOptions, plan_request
 from nowait.engines.diffusion_row import RowState
-from nowait.engines.runner import cache_view
 from nowait.engines.structured import TemplateCompiler
 from nowait.model import KVCache, Transformer
 from nowait.tokenizer import TextCodec
@@ -156,12 +155,13 @@ class _Scheduler:
             if any(row.done for row in self.active):
                 self._retire()
 
-    def _row_by_row(self) -> bool:
+    def _row_by_row(self, rows: list[RowState] | None = None) -> bool:
         """Forward each row alone while any row fills a template (see the module docstring)."""
-        return len(self.active) > 1 and any(row.plan.template is not None for row in self.active)
+        rows = self.active if rows is None else rows
+        return len(rows) > 1 and any(row.plan.template is not None for row in rows)
 
     def _one_row(self, index: int) -> KVCache:
-        return cache_view(self.cache, 1, index)
+        return self.cache.view(index, 1)
 
     def _admit(self, joining: list[RowState]) -> None:
         now = time.perf_counter()
@@ -173,8 +173,7 @@ class _Scheduler:
             capacity = max(max(r.total_length for r in everyone) + max(r.window_length for r in everyone) + 1,
                            self.capacity)
             prefixes = [row.tokens[: row.prompt_prefix] for row in joining]
-            alone = any(row.plan.template is not None for row in everyone)
-            fresh = prefill(self.model, prefixes, capacity, self.pad_id, one_by_one=alone)
+            fresh = prefill(self.model, prefixes, capacity, self.pad_id, one_by_one=self._row_by_row(everyone))
             for row in joining:
                 row.forwards += row.prompt_prefix > 0
             self.cache = fresh if self.cache is None else stack_caches(self.model, self.cache, fresh, capacity)

@@ -19,21 +19,6 @@ from nowait.engines.sequence import Sequence
 from nowait.model import KVCache, Transformer
 
 
-def cache_view(cache: KVCache, rows: int, start: int = 0) -> KVCache:
-    """A KVCache over rows [start, start + rows) of `cache` sharing its storage (slices are
-    views), so a forward through it writes keys/values in place; copy `lengths` back after it
-    (a forward replaces its cache's `lengths` tensor rather than writing into it).
-
-    (`KVCache` has no view constructor; one in nowait.model would replace this helper.)
-    """
-    view = KVCache.__new__(KVCache)
-    view.keys = [k[start: start + rows] for k in cache.keys]
-    view.values = [v[start: start + rows] for v in cache.values]
-    view.lengths = cache.lengths[start: start + rows]
-    view.max_tokens = cache.max_tokens
-    return view
-
-
 def length_groups(lengths: list[int], max_padding: float = 0.1) -> list[list[int]]:
     """Indices of `lengths` in groups of similar length, shortest first, each padded to its
     longest row with at most `max_padding` of its positions on padding (a row alone is
@@ -100,7 +85,7 @@ class CachePool:
         key = (index, self.used)
         view = self._views.get(key)
         if view is None:
-            view = self._views[key] = cache_view(self.caches[index], self.used)
+            view = self._views[key] = self.caches[index].view(0, self.used)
         view.lengths = self.caches[index].lengths[: self.used]
         return view
 

@@ -272,6 +272,18 @@ def check_drafter_model(target: Transformer, drafter: Transformer, codec: TextCo
         raise IncompatibleDraftError("the drafter's tokenizer maps tokens to other ids than the target's")
 
 
+def build_drafter(model: Transformer, codec: TextCodec, max_batch: int = 4,
+                  end_ids: collections.abc.Sequence[int] | None = None) -> DiffusionEngine:
+    """The diffusion engine that drafts answers for method diffusion (its fast default; the
+    speculative settings' `drafter_tau` goes with each drafting request). A causal model is
+    refused as a drafter, like any draft that cannot serve (IncompatibleDraftError)."""
+    from nowait.engines.diffusion_engine import DiffusionEngine
+
+    if model.config.causal:
+        raise IncompatibleDraftError("the drafter is causal (AR); method diffusion needs a diffusion model")
+    return DiffusionEngine(model, codec, max_batch=max_batch, end_ids=end_ids)
+
+
 # --- the engine ---
 
 
@@ -402,8 +414,7 @@ class SpeculativeEngine(AutoregressiveEngine):
         seqs = self._rows(batch)
         spec = self.speculative
         # A drafted answer's rows may propose answer_gamma tokens: the skip rule counts them.
-        answers = spec.method == "diffusion" or any(s.request.draft_ids is not None for s in seqs)
-        width = spec.widest if answers else spec.gamma
+        width = spec.widest if any(self._has_answer(s) for s in seqs) else spec.gamma
         if not should_speculate(len(seqs), width, spec.max_batch, self.config.max_num_batched_tokens):
             super()._run_decode(batch)
             return
@@ -413,8 +424,8 @@ class SpeculativeEngine(AutoregressiveEngine):
             return
         # A row with a drafted answer (method diffusion, or one the request brought, whatever the
         # method) proposes from it; the others as their method does.
-        self._draft_answers([s for s, b in zip(seqs, budgets, strict=True) if b and s.draft_answer is None
-                             and (spec.method == "diffusion" or s.request.draft_ids is not None)])
+        self._draft_answers([s for s, b in zip(seqs, budgets, strict=True)
+                             if b and s.draft_answer is None and self._has_answer(s)])
         # Where the drafted answer has nothing to offer (it ran out, or the drafter refused),
         # the method's own proposer takes over.
         from_answer = [self._answer_proposal(s, self._proposal_budget(s, spec.answer_gamma)) if b and
@@ -458,6 +469,11 @@ class SpeculativeEngine(AutoregressiveEngine):
         proposal, _ = lookup.propose(min(budget, spec.lookup_gamma or budget), drafted or ())
         return self._trim_proposal(seq, proposal)
 
+    def _has_answer(self, seq: Sequence) -> bool:
+        """Whether the row's proposals come from a drafted answer: method diffusion's, or the
+        one its request brought (any method)."""
+        return self.speculative.method == "diffusion" or seq.request.draft_ids is not None
+
     def _draft_answers(self, seqs: list[Sequence]) -> None:
         """The answer each sequence's proposals come from, the end token after it: the
         request's `draft_ids`, else the drafter's answer (one batched diffusion run; the end
@@ -472,7 +488,7 @@ class SpeculativeEngine(AutoregressiveEngine):
                 wanted.append(seq)
         # The drafter's window must fit its positions; the target's output is capped by its own.
         room = {s.seq_id: min(s.max_tokens, self.drafter.model.config.max_position - len(s.prompt_ids) - 1)
-                for s in wanted} if wanted else {}
+                for s in wanted}
         for seq in wanted:
             seq.draft_answer = []  # until the drafter answers: a refused or failed draft proposes nothing
         wanted = [s for s in wanted if room[s.seq_id] > 0]

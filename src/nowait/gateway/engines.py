@@ -41,7 +41,7 @@ from nowait.engines.base import Completion, GenerationRequest, InvalidRequestErr
 from nowait.engines.diffusion_engine import DiffusionEngine
 from nowait.engines.diffusion_request import DiffusionOptions
 from nowait.engines.sequence import Sequence
-from nowait.engines.speculative import IncompatibleDraftError, SpeculativeEngine
+from nowait.engines.speculative import IncompatibleDraftError, SpeculativeEngine, build_drafter
 from nowait.gateway.config import ArEngineConfig, DiffusionEngineConfig, SpecEngineConfig
 from nowait.gateway.domain import Attempt, Call
 from nowait.gateway.errors import APIError, bad_request, engine_unavailable, queue_full, timed_out
@@ -665,10 +665,7 @@ def _speculative_engine(spec: SpecEngineConfig, loaded: LoadedModel, cache: Mode
             raise CheckpointError(f"draft model: {error}") from None
     try:
         if speculative.uses_drafter:
-            if draft.model.config.causal:
-                raise IncompatibleDraftError("method diffusion needs a diffusion model; this one is causal (AR)")
-            drafter = DiffusionEngine(draft.model, draft.codec, max_batch=spec.max_num_seqs,
-                                      end_ids=draft.conventions.end_ids)
+            drafter = build_drafter(draft.model, draft.codec, spec.max_num_seqs, draft.conventions.end_ids)
             return SpeculativeEngine(loaded.model, loaded.codec, config, drafter=drafter, grammar=grammar,
                                      speculative=speculative, end_ids=loaded.conventions.end_ids)
         return SpeculativeEngine(loaded.model, loaded.codec, config, draft=draft.model if draft else None,
