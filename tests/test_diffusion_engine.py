@@ -41,7 +41,7 @@ class Wrapped:
         return self
 
     def __call__(self, ids, cache=None, valid_lengths=None, write_cache=True, attention_mask=None, positions=None,
-                 output_positions=None):
+                 output_positions=None, isolated_prefix=0):
         if cache is None and self.block_causal is not None:
             attention_mask = block_causal_mask(self.block_causal, ids.shape[1])[None].expand(ids.shape[0], -1, -1)
         seen = positions
@@ -50,9 +50,9 @@ class Wrapped:
             seen = start + torch.arange(ids.shape[1])
         valid = valid_lengths if valid_lengths is not None else torch.full((ids.shape[0],), ids.shape[1])
         self.calls.append({"positions": seen.clone(), "write": cache is not None and write_cache,
-                           "cached": cache is not None, "valid": valid.clone()})
+                           "cached": cache is not None, "valid": valid.clone(), "isolated_prefix": isolated_prefix})
         logits = self.model(ids, cache, valid_lengths=valid_lengths, write_cache=write_cache,
-                            attention_mask=attention_mask, positions=positions).clone()
+                            attention_mask=attention_mask, positions=positions, isolated_prefix=isolated_prefix).clone()
         if self.no_end:
             logits[..., self.end_id] -= 30
         logits[..., self.end_id] += self.end_bias
@@ -284,11 +284,13 @@ def test_early_stop_never_computes_past_the_end(codec, mode):
     assert len(completion.token_ids) == 6 and completion.finish_reason == "stop"
     assert completion.forwards == len(model.calls)
     window_start = len(prompt)
-    if mode == "dual":  # after the prefill and the window's first refresh, forwards end in block 1
-        later = model.calls[2:]
+    if mode in ("prefix", "dual"):  # a lone request: prompt and the window's first refresh are one forward
+        assert model.calls[0]["isolated_prefix"] == len(prompt) - 1 and model.calls[0]["write"]
+    if mode == "dual":  # after the first forward, forwards end in block 1
+        later = model.calls[1:]
         assert later and all(int(c["positions"][0, c["valid"][0] - 1]) < window_start + 8 for c in later)
     if mode == "prefix":
-        refreshes = [c for c in model.calls if c["write"] and int(c["positions"][0, 0]) >= window_start - 1]
+        refreshes = [c for c in model.calls if c["write"] and int(c["positions"][0, -1]) >= window_start]
         assert len(refreshes) == 2  # blocks 0 and 1 only
     # Every forward that decided something was for blocks 0 or 1: at most 8 positions to fill,
     # the end token's block committed in one go after its earlier positions.
@@ -315,7 +317,8 @@ def test_batched_run_equals_the_same_requests_run_alone(codec):
         alone = [engine.generate([r])[0] for r in requests]
         for together, single in zip(batched, alone, strict=True):
             assert together.token_ids == single.token_ids, mode
-            assert together.forwards == single.forwards
+            # Alone, a request's prompt forwards with its window's first refresh: one forward fewer.
+            assert together.forwards == single.forwards + (mode in ("prefix", "dual"))
             assert together.token_confidences == pytest.approx(single.token_confidences, abs=1e-5)
         # The short request left as soon as it was done, long before the longest one.
         assert batched[0].forwards < batched[1].forwards

@@ -198,6 +198,40 @@ def test_cached_prefix_equals_block_causal_forward(make_model, variant):
     assert max_diff(cached, bidirectional[:, prefix:]) > 1e-2
 
 
+@pytest.mark.parametrize("variant", list(CONFIG_VARIANTS))
+def test_isolated_prefix_forward_equals_prefill_then_window(make_model, variant):
+    """A diffusion request's first forward: the prompt attending only to itself and the window
+    attending to everything, in one forward, computes what a prefill of the prompt and then a
+    written forward of the window over it compute: the window's logits and every cached slot."""
+    model = make_model(causal=False, **CONFIG_VARIANTS[variant])
+    generator = torch.Generator().manual_seed(17)
+    prompt, window = 7, 6
+    ids = random_ids(generator, 1, prompt + window)
+    two, one = KVCache(model.config, 1, 16), KVCache(model.config, 1, 16)
+    positions = torch.arange(prompt + window)[None]
+    with torch.no_grad():
+        model(ids[:, :prompt], two)
+        separate = model(ids[:, prompt:], two, positions=positions[:, prompt:])
+        merged = model(ids, one, positions=positions, isolated_prefix=prompt)
+        bidirectional = model(ids)
+    assert one.lengths.tolist() == two.lengths.tolist() == [prompt + window]
+    assert_close(merged[:, prompt:], separate, atol=ATOL, rtol=0)
+    for merged_keys, separate_keys in zip(one.keys + one.values, two.keys + two.values, strict=True):
+        assert_close(merged_keys, separate_keys, atol=ATOL, rtol=0)
+    assert max_diff(merged[:, prompt:], bidirectional[:, prompt:]) > 1e-2  # not plain full attention
+
+
+def test_isolated_prefix_refuses_what_it_cannot_compute(make_model):
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    bidirectional, causal = make_model(causal=False), make_model()
+    with pytest.raises(ValueError, match="isolated_prefix"):  # two rows: padding would need a mask
+        bidirectional(ids, KVCache(bidirectional.config, 2, 8), isolated_prefix=2)
+    with pytest.raises(ValueError, match="isolated_prefix"):
+        causal(ids[:1], KVCache(causal.config, 1, 8), isolated_prefix=2)
+    with pytest.raises(ValueError, match="isolated_prefix"):  # the whole span: nothing after the prefix
+        bidirectional(ids[:1], KVCache(bidirectional.config, 1, 8), isolated_prefix=5)
+
+
 def test_cached_prefix_rows_of_different_lengths(make_model):
     model = make_model(causal=False)
     generator = torch.Generator().manual_seed(8)

@@ -202,6 +202,28 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 CAUSAL_FROM_START = "causal-from-start"
 
 
+@dataclass(frozen=True)
+class IsolatedPrefix:
+    """The attention pattern of a diffusion request's first forward over prompt and window: the
+    first `queries` new tokens (the prompt) attend only to the first `keys` slots (the cache
+    before them and themselves); the later ones (the window) attend to every slot. Exactly what
+    a prompt prefill followed by a window refresh computes, in one forward."""
+
+    queries: int
+    keys: int
+
+
+def isolated_prefix_attention(q: Tensor, k: Tensor, v: Tensor, pattern: IsolatedPrefix, gqa: bool) -> Tensor:
+    """q [B, H, T, D], k and v [B, kv_heads, S, D] -> [B, H, T, D] under `pattern`.
+
+    Two unmasked kernels, one per part: with an explicit [T, S] mask the CPU kernel costs more
+    than the two forwards this pattern replaces (measured when the merge was first tried)."""
+    head = F.scaled_dot_product_attention(q[:, :, : pattern.queries], k[:, :, : pattern.keys],
+                                          v[:, :, : pattern.keys], enable_gqa=gqa)
+    tail = F.scaled_dot_product_attention(q[:, :, pattern.queries:], k, v, enable_gqa=gqa)
+    return torch.cat([head, tail], dim=2)
+
+
 def grouped_decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     """One new token per row over its cached keys: q [B, 1, H, D], k and v [B, kv_heads, S, D]
     (slices of the cache), mask [B, 1, 1, S] -> [B, 1, H, D].
@@ -254,7 +276,10 @@ class Attention(nn.Module):
                 k = torch.cat([keys[:, :, :key_slots].to(q.dtype), k], dim=2)
                 v = torch.cat([values[:, :, :key_slots].to(q.dtype), v], dim=2)
         from_start = isinstance(mask, str)  # CAUSAL_FROM_START
-        if length == 1 and mask is not None and not from_start:
+        if isinstance(mask, IsolatedPrefix):
+            gqa = c.num_kv_heads != c.num_heads
+            out = isolated_prefix_attention(q.transpose(1, 2), k, v, mask, gqa).transpose(1, 2)
+        elif length == 1 and mask is not None and not from_start:
             out = grouped_decode_attention(q, k, v, mask)
         else:
             out = F.scaled_dot_product_attention(
@@ -319,7 +344,8 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: Tensor, cache: KVCache | None = None, valid_lengths: Tensor | None = None,
                 write_cache: bool = True, attention_mask: Tensor | None = None,
-                positions: Tensor | None = None, output_positions: Tensor | None = None) -> Tensor:
+                positions: Tensor | None = None, output_positions: Tensor | None = None,
+                isolated_prefix: int = 0) -> Tensor:
         """Logits [B, T, vocab] for `input_ids` [B, T].
 
         Without a cache: a plain forward, causal or bidirectional per the config; an optional
@@ -330,6 +356,8 @@ class Transformer(nn.Module):
         to each other without being stored (a diffusion step over a cached prompt).
         `output_positions` [B, K]: logits only at those positions, [B, K, vocab] (a prefill
         needs each row's last one; projecting every position onto the vocabulary is waste).
+        `isolated_prefix` (bidirectional, one unpadded row written to a cache): the first that
+        many new tokens attend only to the cache and themselves (`IsolatedPrefix`).
         """
         batch, length = input_ids.shape
         device = input_ids.device
@@ -346,6 +374,11 @@ class Transformer(nn.Module):
             mask = mask[:, None]
         if cache is not None:
             mask, write_positions, key_slots = self._cache_mask(cache, length, valid_lengths, write_cache, padded)
+        if isolated_prefix:
+            if c.causal or not isinstance(write_positions, slice) or not 0 < isolated_prefix < length:
+                raise ValueError("isolated_prefix needs a bidirectional model, one unpadded row written to a cache, "
+                                 f"and 0 < isolated_prefix < {length} new tokens")
+            mask = IsolatedPrefix(isolated_prefix, write_positions.start + isolated_prefix)
         elif mask is None and (not c.causal) and bool((valid_lengths < length).any()):
             mask = key_padding_mask(valid_lengths, length)[:, None, None, :].expand(batch, 1, length, length)
         x = self.embed_tokens(input_ids)

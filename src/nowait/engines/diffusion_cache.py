@@ -27,20 +27,24 @@ def pad_spans(spans: list[Tensor], starts: list[int], pad_id: int) -> tuple[Tens
 
 
 def forward_spans(model: Transformer, spans: list[Tensor], starts: list[int], pad_id: int,
-                  cache: KVCache | None = None, write: bool = False, outputs: Tensor | None = None) -> Tensor:
+                  cache: KVCache | None = None, write: bool = False, outputs: Tensor | None = None,
+                  isolated_prefix: int = 0) -> Tensor:
     """Logits [B, T, vocab] of each row's span, or [B, K, vocab] at `outputs` [B, K] (offsets
     into each span: only the positions a step decides are projected onto the vocabulary).
 
     No cache: the spans are whole sequences (start 0), attended bidirectionally. With a cache:
     each span attends to its row's cached slots and to itself; `write` also stores its keys and
     values after the row's cached slots (the caller sets `cache.lengths` afterwards).
+    `isolated_prefix` (one span, written): its first that many tokens attend only to the cache
+    and themselves, the prompt of a first forward that is also the window's refresh.
     """
     ids, valid, positions = pad_spans(spans, starts, pad_id)
     if len(spans) == 1:
         valid = None  # one row has no padding: the model takes its unmasked, slice-written path
     if cache is None:
         return model(ids, valid_lengths=valid, output_positions=outputs)
-    return model(ids, cache, valid_lengths=valid, write_cache=write, positions=positions, output_positions=outputs)
+    return model(ids, cache, valid_lengths=valid, write_cache=write, positions=positions, output_positions=outputs,
+                 isolated_prefix=isolated_prefix)
 
 
 def output_window(firsts: list[int], counts: list[int], device: torch.device) -> Tensor:

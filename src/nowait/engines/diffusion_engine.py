@@ -172,13 +172,24 @@ class _Scheduler:
             # Room for a refresh: a row's cached prompt plus the longest window of the batch.
             capacity = max(max(r.total_length for r in everyone) + max(r.window_length for r in everyone) + 1,
                            self.capacity)
-            prefixes = [row.tokens[: row.prompt_prefix] for row in joining]
+            merge = self._merges_prefill(everyone)
+            for row in joining:
+                row.prompt_pending = merge and row.prompt_prefix > 0
+            prefixes = [row.tokens[: 0 if row.prompt_pending else row.prompt_prefix] for row in joining]
             fresh = prefill(self.model, prefixes, capacity, self.pad_id, one_by_one=self._row_by_row(everyone))
             for row in joining:
-                row.forwards += row.prompt_prefix > 0
+                row.forwards += row.prompt_prefix > 0 and not row.prompt_pending
             self.cache = fresh if self.cache is None else stack_caches(self.model, self.cache, fresh, capacity)
             self.capacity = capacity
         self.active.extend(joining)
+
+    def _merges_prefill(self, everyone: list[RowState]) -> bool:
+        """Whether joiners skip the prefill and forward their prompt with their window's first
+        refresh, in one forward (`model.IsolatedPrefix`: the prompt attends only to itself, as
+        the prefill would have it): where each refresh runs as a one-row forward (a lone
+        request, or rows forwarded one by one). One forward fewer per request; a batched
+        refresh keeps the prompts out, as rows of different prompt lengths would pad."""
+        return self.cache_mode in ("prefix", "dual") and (len(everyone) == 1 or self._row_by_row(everyone))
 
     def _refresh(self, indices: list[int], alone: bool = False) -> None:
         """Rows starting a block recompute their window (refresh="window"; the first block
@@ -195,15 +206,18 @@ class _Scheduler:
                                                         int(self.cache.lengths[indices].max()), self.capacity)
         blocks = [row.block_offsets(start) for row, (_, start) in zip(rows, spans, strict=True)]
         outputs = output_window([first for first, _ in blocks], [count for _, count in blocks], target.lengths.device)
+        isolated = [row.prompt_prefix if row.prompt_pending else 0 for row in rows]
+        if any(isolated) and len(rows) > 1:
+            raise RuntimeError("a prompt left for its first refresh must refresh alone")
         logits = forward_spans(self.model, [s for s, _ in spans], [start for _, start in spans], self.pad_id,
-                               target, write=True, outputs=outputs)
+                               target, write=True, outputs=outputs, isolated_prefix=isolated[0])
         if alone:
             self.cache.lengths[indices[0]] = target.lengths[0]
         elif not whole:
             put_rows(self.cache, indices, target, int(target.lengths.max()))
         for k, (i, row) in enumerate(zip(indices, rows, strict=True)):
             row.forwards += 1
-            row.needs_refresh = False
+            row.needs_refresh = row.prompt_pending = False
             row.decide(logits[k, : blocks[k][1]])
             row.keep_block_cache(self.cache, i, self.cache_mode)
 

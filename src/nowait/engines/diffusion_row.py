@@ -44,6 +44,7 @@ class RowState:
         self.block_index = 0
         self.steps_in_block = 0
         self.needs_refresh = True
+        self.prompt_pending = False  # the prompt is not cached yet: the first refresh forwards it
         self._written_at = 0  # the slot where the last refresh's span was written
         self._suffix_end = 0  # dual cache: slots before it are prompt, window prefix and suffix
         self._settled: list[int] = []  # dual cache: the absolute position of each slot after those
@@ -101,12 +102,14 @@ class RowState:
         """Set this row's cache up for its refresh; returns the span to forward (writing its
         keys/values after the row's cached slots) and the span's absolute start.
 
-        Whole window: the cache is cut back to the prompt. Blocks only: the dual cache holds the
+        Whole window: the cache is cut back to the prompt (or emptied, when the prompt is still
+        pending and forwards with the window). Blocks only: the dual cache holds the
         prompt, the window before the finished block and the suffix after the finished block;
         the suffix's slots up to this block's end are dropped (the span recomputes them)."""
         if not self.refreshes_blocks_only:
-            cache.lengths[row] = self._written_at = self._span_start = self.prompt_prefix
-            return self.refresh_span()
+            start = 0 if self.prompt_pending else self.prompt_prefix
+            cache.lengths[row] = self._written_at = self._span_start = start
+            return self.tokens[start:], start
         previous_lo, previous_hi = self.plan.blocks[self.block_index - 1]
         _, hi = self.block
         kept_prefix = self.prompt_length + previous_lo - self.shift
