@@ -198,3 +198,16 @@ def test_the_models_shortcuts_give_the_same_logits(model):
     last = KVCache(model.config, 1, 64)
     picked = model(prompt, last, output_positions=torch.tensor([[prompt.shape[1] - 1, 0]]))
     assert torch.allclose(picked[0], full[0, [prompt.shape[1] - 1, 0]], atol=1e-5)
+
+
+def test_confidence_counts_the_stop_decision(codec):
+    """An answer that ends on a stop token reports the stop token's probability among its
+    decisions, as the diffusion engine counts its closing end token."""
+    from nowait.engines.sequence import Sequence
+
+    seq = Sequence(0, GenerationRequest([5, 6], SamplingParams(max_tokens=5)), frozenset({0}), capacity=16,
+                   generator=None)
+    seq.append_token(9, 0.9, 0.0)
+    seq.append_token(0, 0.3, 0.0)  # the stop token, unsure
+    completion = seq.to_completion("ar", "x")
+    assert completion.token_confidences == [0.9] and completion.confidence == 0.3

@@ -133,3 +133,36 @@ def test_parse_input_reports_each_bad_line():
     assert [e.line for e in error.value.errors] == [1, 2, 3]
     with pytest.raises(BatchInputError, match="no request lines"):
         parse_input(b"\n\n", "/v1/chat/completions")
+
+
+def test_a_line_nested_past_the_parser_is_a_line_error():
+    deep = b"[" * 200_000 + b"]" * 200_000
+    with pytest.raises(BatchInputError) as error:
+        parse_input(deep + b"\n", "/v1/chat/completions")
+    assert [(e.line, e.code) for e in error.value.errors] == [(1, "invalid_json_line")]
+
+
+def test_a_batch_that_fails_in_processing_holds_up_no_other(server, monkeypatch):
+    """A batch whose processing raises is retried, then marked failed with the error; the
+    batch created after it completes meanwhile."""
+    import nowait.gateway.batches as batches
+
+    real = batches.parse_input
+
+    def exploding(content: bytes, endpoint: str):
+        if b"explode" in content:
+            raise RuntimeError("simulated failure")
+        return real(content, endpoint)
+
+    monkeypatch.setattr(batches, "parse_input", exploding)
+    monkeypatch.setattr(batches, "MAX_PROCESS_FAILURES", 2)
+    client = server.client()
+    created = []
+    for name in ("explode", "fine"):
+        uploaded = client.files.create(file=(f"{name}.jsonl", jsonl([chat_line(name)])), purpose="batch")
+        created.append(client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                             completion_window="24h"))
+    wait_for(client, created[1].id, {"completed"})
+    failed, _ = wait_for(client, created[0].id, {"failed"})
+    [error] = failed.errors.data
+    assert error.code == "internal_error" and "simulated failure" in error.message

@@ -5,6 +5,7 @@ client that hangs up cancels its work."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -47,6 +48,7 @@ def server(tmp_path_factory, codec):
         "mercury": {"kind": "diffusion", "model": str(root / "not-trained-yet")},
     }
     config["routing"] = {"fast_engine": "mercury"}  # missing: latency-bound work must go to AR instead
+    config["server"]["max_request_bytes"] = 64 * 1024
     with live_server(config) as live:
         yield live
 
@@ -211,3 +213,92 @@ def test_errors_are_counted_once_and_refusals_logged(server):
         assert after[labels] - before.get(labels, 0) == 1, labels
     refused = [e for e in read_audit_log(server.config.audit_log_path) if e["model"] == "gpt-imaginary-2"]
     assert refused and refused[-1]["status"] == 404 and refused[-1]["rule"] == "none"
+
+
+def test_a_request_with_more_choices_than_its_engine_admits_still_completes(server):
+    """"tight" admits two requests at once (one running, one queued); five prompts in one request
+    are run two at a time instead of refusing the third with a 429 that no retry could cure."""
+    assert server.gateway.backends["tight"].admits == 2
+    completion = server.client().completions.create(model="tight", prompt=["Name:"] * 5, max_tokens=2)
+    assert len(completion.choices) == 5 and all(c.text for c in completion.choices)
+
+
+def test_a_seed_a_generator_cannot_take_is_400_and_harms_nobody(server):
+    for seed in (2**64, -(2**63) - 1):
+        response = post(server, "/v1/completions", json={"model": "ar", "prompt": "Name:", "seed": seed,
+                                                          "temperature": 0.5, "max_tokens": 2})
+        assert_error_object(response, 400, param="seed")
+    # Engines used as a library refuse it too, before any work.
+    from nowait.engines.base import InvalidRequestError, SamplingParams
+
+    with pytest.raises(InvalidRequestError, match="seed"):
+        SamplingParams(temperature=0.5, seed=2**64).validate()
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        SamplingParams(temperature=float("nan")).validate()
+
+
+def test_a_request_the_engine_fails_to_take_fails_alone(server, monkeypatch):
+    """An unexpected error while the engine takes a request is that request's 500; a request
+    already running on the same engine carries on."""
+    engine = server.gateway.backends["tight"].worker.engine
+    submit = engine.submit
+
+    def failing_submit(request):
+        if request.sampling.max_tokens == 7:
+            raise RuntimeError("simulated failure")
+        return submit(request)
+
+    monkeypatch.setattr(engine, "submit", failing_submit)
+
+    async def together():
+        client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
+        running = asyncio.create_task(client.completions.create(model="tight", prompt="Name:", max_tokens=60))
+        await asyncio.sleep(0.2)
+        failing = client.completions.create(model="tight", prompt="Name:", max_tokens=7)
+        return await asyncio.gather(running, failing, return_exceptions=True)
+
+    running, failing = asyncio.run(together())
+    assert isinstance(failing, openai.InternalServerError) and failing.body["code"] == "engine_error"
+    assert "simulated failure" in failing.body["message"]
+    assert not isinstance(running, Exception) and running.usage.completion_tokens == 60
+
+
+def test_a_body_over_the_limit_is_413(server):
+    big = {"model": "ar", "prompt": "x" * (80 * 1024), "max_tokens": 2}
+    assert_error_object(post(server, "/v1/completions", json=big), 413, code="request_too_large")
+
+    def chunks():  # no Content-Length: the limit is counted as the body arrives
+        yield b'{"model": "ar", "prompt": "'
+        for _ in range(80):
+            yield b"x" * 1024
+        yield b'", "max_tokens": 2}'
+
+    response = post(server, "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert_error_object(response, 413, code="request_too_large")
+    assert post(server, "/v1/completions", json={"model": "ar", "prompt": "Name:", "max_tokens": 2}).status_code == 200
+
+
+def test_a_stream_that_fails_midway_ends_with_an_error_event_and_done(server, monkeypatch):
+    backend = server.gateway.backends["ar"]
+    open_stream = backend.open_stream
+
+    async def broken_open_stream(call, timeout_s):
+        stream = await open_stream(call, timeout_s)
+        deltas = stream.deltas
+
+        async def first_then_fail():
+            async for text in deltas():
+                yield text
+                raise RuntimeError("simulated bug")
+
+        stream.deltas = first_then_fail
+        return stream
+
+    monkeypatch.setattr(backend, "open_stream", broken_open_stream)
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                      json={"model": "ar", "prompt": "Name:", "max_tokens": 8, "stream": True}, timeout=30) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data:")]
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2].removeprefix("data:"))["error"]
+    assert error["type"] == "server_error" and "RuntimeError" in error["message"]
+    assert backend.in_flight == 0

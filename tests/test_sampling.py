@@ -32,7 +32,8 @@ def test_temperature_scales_the_logits():
     logits = torch.tensor([[1.0, 2.0, 4.0]])
     probs = sampling_distribution(logits, batch_of(SamplingParams(temperature=2.0)))
     assert torch.allclose(probs, (logits / 2).softmax(-1))
-    assert torch.allclose(apply_temperature(logits, torch.tensor([0.5])), logits * 2)
+    # Shifted by the row's maximum (the same softmax), so a tiny temperature cannot overflow.
+    assert torch.allclose(apply_temperature(logits, torch.tensor([0.5])), (logits - 4.0) * 2)
 
 
 def test_top_k_keeps_exactly_k_tokens():
@@ -96,3 +97,22 @@ def test_confidence_is_the_models_own_probability():
 def test_bad_parameters_name_themselves(params, name):
     with pytest.raises(InvalidRequestError, match=name):
         params.validate()
+
+
+def test_top_p_of_one_keeps_every_token():
+    """In float32 the running mass of a large peaked vocabulary reaches 1 before its last tokens;
+    top_p = 1 must still cut nothing."""
+    logits = torch.randn(2, 32000, generator=torch.Generator().manual_seed(0)) * 3
+    kept = truncate_top_k_top_p(logits, torch.tensor([0, 0]), torch.tensor([1.0, 1.0]))
+    assert torch.isfinite(kept).all()
+
+
+def test_a_tiny_temperature_is_the_argmax_not_nan():
+    from nowait.engines.diffusion_policies import propose_tokens
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1)) * 5
+    probs = sampling_distribution(logits, batch_of(*[SamplingParams(temperature=1e-40)] * 3))
+    assert not probs.isnan().any() and torch.equal(probs.argmax(-1), logits.argmax(-1))
+    assert torch.allclose(probs.max(-1).values, torch.ones(3))
+    noise = torch.rand(3, 50, dtype=torch.float64)
+    assert torch.equal(propose_tokens(logits, 1e-300, noise), logits.argmax(-1))

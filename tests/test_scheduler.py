@@ -114,6 +114,32 @@ def test_back_pressure_when_rows_and_queue_are_full():
         assert log[-1].kind == "decode" and seqs[2].status is SequenceStatus.WAITING
 
 
+def test_max_waiting_counts_only_requests_beyond_the_free_rows():
+    """max_waiting=0 on an idle engine still takes a request per free row: each waits only for
+    the next step, which gives it a row."""
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_waiting=0))
+    first, second = make_seq(0, 3, 5), make_seq(1, 3, 5)
+    scheduler.add(first)
+    scheduler.add(second)
+    with pytest.raises(QueueFullError):
+        scheduler.add(make_seq(2, 3, 5))
+    run_step(scheduler, [])
+    assert first.status is not SequenceStatus.WAITING and second.status is not SequenceStatus.WAITING
+
+
+def test_generate_past_the_queue_withdraws_what_it_submitted(codec):
+    from nowait.engines.autoregressive import AutoregressiveEngine, EngineConfig
+    from tests.conftest import build_model
+
+    engine = AutoregressiveEngine(build_model(0, vocab_size=codec.vocab_size), codec,
+                                  EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, max_waiting=1))
+    requests = [GenerationRequest([5, 6, 7], SamplingParams(max_tokens=3)) for _ in range(4)]
+    with pytest.raises(QueueFullError):
+        engine.generate(requests)
+    assert not engine.has_unfinished() and not engine._completed
+    assert len(engine.generate(requests[:3])) == 3  # two rows and one waiting: taken
+
+
 @pytest.mark.parametrize(("config", "message"), [
     (SchedulerConfig(max_num_seqs=0), "max_num_seqs"),
     (SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4), "max_num_batched_tokens"),

@@ -191,6 +191,27 @@ def test_greedy_output_is_the_targets_token_for_token(target, proposer, max_batc
     assert sum(c.draft_tokens_proposed for c in alone) > 0
 
 
+def test_the_draft_catching_up_on_long_prompts_keeps_to_the_token_cap(target):
+    """New rows feed their prompts to the draft model in chunks, like the target's prefill: no
+    draft forward computes more than max_num_batched_tokens positions, and output is unchanged."""
+    draft = build_model(1, num_layers=1)
+    ids = [p * 4 for p in prompts(4, seed=3)]  # 16-116 tokens each
+    sizes = []
+    forward = draft.forward
+
+    def recording(input_ids, *args, **kwargs):
+        sizes.append(input_ids.shape[0] * input_ids.shape[1])
+        return forward(input_ids, *args, **kwargs)
+
+    draft.forward = recording
+    engine = SpeculativeEngine(target, end_id=END, draft=draft,
+                               config=EngineConfig(max_num_seqs=4, max_num_batched_tokens=32),
+                               speculative=SpeculativeConfig(gamma=3, max_batch=16, method="draft"))
+    reference = AutoregressiveEngine(target, end_id=END).generate(greedy_requests(ids))
+    assert [c.token_ids for c in engine.generate(greedy_requests(ids))] == [c.token_ids for c in reference]
+    assert sizes and max(sizes) <= 32 and max(len(p) for p in ids) > 32
+
+
 def test_a_doubtful_draft_stops_early():
     """draft_confidence: drafting stops after the first proposal the draft is unsure of, so
     fewer draft forwards and proposals than gamma per step; the output is unchanged."""

@@ -209,7 +209,15 @@ class AutoregressiveEngine:
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
         for request in requests:  # refuse the batch before any work if one request is bad
             self.validate(request)
-        seqs = [self.submit(r) for r in requests]
+        seqs: list[Sequence] = []
+        try:
+            for request in requests:
+                seqs.append(self.submit(request))
+        except Exception:  # a full queue: withdraw the ones taken, so nothing runs uncollected
+            for seq in seqs:
+                if self.scheduler.abort_waiting(seq):
+                    seq.finish("cancelled")
+            raise
         while not all(s.is_finished for s in seqs):
             self.step()
         return [self._completed.pop(s.seq_id) for s in seqs]

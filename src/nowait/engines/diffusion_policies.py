@@ -47,7 +47,8 @@ def propose_tokens(logits: Tensor, temperature: float, noise: Tensor | None = No
     Gumbel-max trick, argmax(logits / T + g), as LLaDA samples (arXiv 2502.09992, App. B)."""
     if temperature == 0 or noise is None:
         return logits.argmax(-1)
-    return (logits.double() / temperature + noise).argmax(-1)
+    logits = logits.double()
+    return ((logits - logits.amax(-1, keepdim=True)) / temperature + noise).argmax(-1)  # no inf at tiny T
 
 
 def token_probability(probabilities: Tensor, tokens: Tensor) -> Tensor:

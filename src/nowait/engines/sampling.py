@@ -47,8 +47,11 @@ def one_hot_argmax(logits: Tensor) -> Tensor:
 
 # Softmax temperature: logits / T; T -> 0 approaches the argmax, which rows with T = 0 take exactly.
 def apply_temperature(logits: Tensor, temperature: Tensor) -> Tensor:
+    """The row's maximum is subtracted first, so a tiny T sends the others to -inf, never the
+    maximum to inf (inf - inf in the softmax would be NaN)."""
     safe = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    return logits.float() / safe[:, None]
+    logits = logits.float()
+    return (logits - logits.amax(-1, keepdim=True)) / safe[:, None]
 
 
 # Top-k: Fan et al. 2018, "Hierarchical Neural Story Generation"; top-p (nucleus): Holtzman et al.
@@ -67,7 +70,8 @@ def truncate_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor
     sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
     sorted_probs = sorted_logits.softmax(-1)
     mass_before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the strictly more likely tokens
-    keep &= mass_before < top_p[:, None]
+    # top_p = 1 keeps everything: in float32 the running mass reaches 1 before the last tokens.
+    keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1)
     sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 

@@ -70,8 +70,11 @@ class Scheduler:
         self.running: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
-        if self.config.max_waiting is not None and len(self.waiting) >= self.config.max_waiting:
-            raise QueueFullError(f"{len(self.waiting)} requests already waiting (max_waiting)")
+        """Queue `seq`; refused when `max_waiting` requests already wait beyond the free rows
+        (a request with a free row waits only for the next step, which admits it)."""
+        free_rows = max(0, self.config.max_num_seqs - len(self.running))
+        if self.config.max_waiting is not None and len(self.waiting) >= self.config.max_waiting + free_rows:
+            raise QueueFullError(f"{len(self.waiting) - free_rows} requests already waiting for a row (max_waiting)")
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 

@@ -46,6 +46,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.output_ids: list[int] = []
         self.token_confidences: list[float] = []
+        self.stop_confidence: float | None = None  # the probability of the stop token, when one ended it
         self.num_cached = 0
         self.row = -1  # cache row while RUNNING
         self.forwards = 0
@@ -113,6 +114,7 @@ class Sequence:
         if self.first_token_time is None:
             self.first_token_time = now
         if token in self.stop_ids:
+            self.stop_confidence = confidence
             self.finish("stop", now)
             return True
         self.output_ids.append(token)
@@ -146,7 +148,9 @@ class Sequence:
             finish_reason=self.finish_reason or "error",
             prompt_tokens=len(self.prompt_ids),
             token_confidences=confidences,
-            confidence=min(confidences, default=1.0),
+            # Where the answer stops is a decision too (as the diffusion engine counts its end token).
+            confidence=min([*confidences, *([] if self.stop_confidence is None else [self.stop_confidence])],
+                           default=1.0),
             confidence_kind="min_token_probability",
             forwards=self.forwards,
             draft_tokens_proposed=self.draft_proposed,

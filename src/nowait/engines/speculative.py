@@ -539,6 +539,23 @@ class SpeculativeEngine(AutoregressiveEngine):
             proposal = proposal[: seq.matcher.valid_prefix(proposal)]
         return proposal
 
+    def _draft_catch_up(self, seqs: list[Sequence], tokens: list[list[int]]) -> None:
+        """Feed `tokens[i]` to the draft cache of `seqs[i]`, in chunks that keep every forward
+        within `max_num_batched_tokens` positions (rows x longest chunk), as the target's prefill
+        is: a long prompt's catch-up must not make one step far costlier than the cap promises."""
+        budget = self.config.max_num_batched_tokens
+        pending = {i: left for i, left in enumerate(tokens) if left}
+        while pending:
+            rows = list(pending)
+            width = max(1, budget // len(rows))  # rows <= max_num_seqs <= the budget
+            chunks = [pending[i][:width] for i in rows]
+            self.draft_runner.extend([seqs[i] for i in rows], [seqs[i].draft_cached for i in rows], chunks)
+            for i, chunk in zip(rows, chunks, strict=True):
+                seqs[i].draft_cached += len(chunk)
+                seqs[i].draft_forwards += 1
+                pending[i] = pending[i][len(chunk):]
+            pending = {i: left for i, left in pending.items() if left}
+
     def _draft_proposals(self, seqs: list[Sequence], budgets: list[int], params: SamplingBatch | None
                          ) -> tuple[list[list[int]], list[int], Tensor | None]:
         """Up to budgets[i] tokens for row i from the draft model: its argmax when `params` is
@@ -552,15 +569,12 @@ class SpeculativeEngine(AutoregressiveEngine):
         """
         runner = self.draft_runner
         unseen = [s.tokens_from(s.draft_cached) for s in seqs]
-        # Rows far behind (new, or after many steps without the draft) catch up in one prefill-
-        # like forward, so the first draft forward below feeds at most `_catch_up` tokens a row.
+        # Rows far behind (new, or after many steps without the draft) catch up in prefill-like
+        # forwards first, so the first draft forward below feeds at most `_catch_up` tokens a row.
         behind = [i for i, u in enumerate(unseen) if len(u) > self._catch_up]
         if behind:
-            runner.extend([seqs[i] for i in behind], [seqs[i].draft_cached for i in behind],
-                          [unseen[i][:-1] for i in behind])
+            self._draft_catch_up([seqs[i] for i in behind], [unseen[i][:-1] for i in behind])
             for i in behind:
-                seqs[i].draft_cached += len(unseen[i]) - 1
-                seqs[i].draft_forwards += 1
                 unseen[i] = unseen[i][-1:]
         logits = last_logits(runner.forward_rows(unseen), [len(u) for u in unseen])
         for seq, u in zip(seqs, unseen, strict=True):

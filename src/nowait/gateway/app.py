@@ -118,10 +118,26 @@ class Gateway:
         batch = self.backends.get(self.policy.batch_engine)
         return batch is not None and batch.available
 
+    def calls_at_once(self, model: str) -> int:
+        """The most calls of one request that `model` takes at once: what its engine admits; for
+        the router, what the smallest available engine admits (it may send them anywhere)."""
+        named = self.backends.get(model)
+        engines = [named] if named is not None else [b for b in self.backends.values() if b.available]
+        return max(1, min((b.admits for b in engines), default=1))
+
     async def complete_all(self, calls: list[Call]) -> list[Outcome]:
+        """The choices of one request (n x prompts), at most as many at once as the smallest
+        available engine admits: a request is never refused for asking more of an engine than it
+        can ever hold, only for what others hold (429, which a batch line waits out)."""
         if len(calls) == 1:
             return [await self.dispatcher.complete(calls[0])]
-        results = await asyncio.gather(*(self.dispatcher.complete(c) for c in calls), return_exceptions=True)
+        gate = asyncio.Semaphore(self.calls_at_once(calls[0].model))
+
+        async def complete(call: Call) -> Outcome:
+            async with gate:
+                return await self.dispatcher.complete(call)
+
+        results = await asyncio.gather(*(complete(c) for c in calls), return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
@@ -175,6 +191,65 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class BodyTooLarge(Exception):
+    """A request body went past the server's limit while being read."""
+
+
+class BodyLimitMiddleware:
+    """413 for a request body over `limit` bytes: at once when its Content-Length says so (the
+    `openai` client always sends one), else as soon as the bytes read pass the limit, so an
+    over-large body is never held in memory whole."""
+
+    def __init__(self, app, limit: int, on_refusal=None) -> None:
+        self.app, self.limit, self.on_refusal = app, limit, on_refusal
+
+    def _refusal(self) -> APIError:
+        error = APIError(413, f"The request body is larger than this server accepts ({self.limit} bytes; "
+                              "server.max_request_bytes)", code="request_too_large")
+        if self.on_refusal is not None:
+            self.on_refusal(error)
+        return error
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._refusal().response()(scope, receive, send)
+            return
+        seen, over, answered = 0, False, False
+
+        async def counted_receive():
+            nonlocal seen, over
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    over = True
+                    raise BodyTooLarge
+            return message
+
+        async def refuse() -> None:
+            nonlocal answered
+            if not answered:
+                answered = True
+                await self._refusal().response()(scope, receive, send)
+
+        async def watched_send(message) -> None:
+            # Whatever the app answers a body it could not finish reading (FastAPI: 400), the
+            # client is told the real reason.
+            if over:
+                await refuse()
+                return
+            await send(message)
+
+        with suppress(BodyTooLarge):
+            await self.app(scope, counted_receive, watched_send)
+        if over:
+            await refuse()
+
+
 def gateway_of(request: Request) -> Gateway:
     return request.app.state.gateway
 
@@ -221,7 +296,8 @@ def create_app(config: GatewayConfig, backends: dict[str, Backend] | None = None
             gateway.metrics.observe_error(error.status, error.code)
 
     install_error_handlers(app, count_error)
-    app.add_middleware(ApiKeyMiddleware, keys=config.auth.keys(), on_refusal=count_error)
+    app.add_middleware(BodyLimitMiddleware, limit=config.server.max_request_bytes, on_refusal=count_error)
+    app.add_middleware(ApiKeyMiddleware, keys=config.auth.keys(), on_refusal=count_error)  # outermost: keys first
 
     # --- health and metrics ---
 
@@ -266,9 +342,11 @@ def create_app(config: GatewayConfig, backends: dict[str, Backend] | None = None
 
     # --- generation ---
 
-    async def stream_response(gateway: Gateway, call: Call, endpoint: str, response_id: str, model: str,
-                              include_usage: bool) -> StreamingResponse:
-        plan = await gateway.dispatcher.open_stream(call)  # refusals are still HTTP errors here
+    async def stream_response(request: Request, gateway: Gateway, call: Call, endpoint: str, response_id: str,
+                              model: str, include_usage: bool) -> StreamingResponse:
+        # Refusals are still HTTP errors here. A held stream (a fast attempt that may fall back)
+        # runs to its end before the first byte: a client that hangs up meanwhile cancels it.
+        plan = await unless_disconnected(request, gateway.dispatcher.open_stream(call))
         writer = ChunkWriter(endpoint, response_id, model, include_usage)
 
         async def events() -> AsyncIterator[str]:
@@ -282,6 +360,9 @@ def create_app(config: GatewayConfig, backends: dict[str, Backend] | None = None
                     yield chunk
             except APIError as error:  # after the first byte, an error can only be an event
                 yield sse(error.body())
+            except Exception as error:  # a bug must still end the stream cleanly, with an error event
+                log.exception("stream %s failed", response_id)
+                yield sse(APIError(500, f"internal error ({type(error).__name__})", type="server_error").body())
             finally:
                 await plan.aclose()
             yield SSE_DONE
@@ -297,7 +378,7 @@ def create_app(config: GatewayConfig, backends: dict[str, Backend] | None = None
         calls = chat_calls(body, request.headers, gateway.config.defaults, response_id)
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            return await stream_response(gateway, calls[0], "chat", response_id, body.model, include)
+            return await stream_response(request, gateway, calls[0], "chat", response_id, body.model, include)
         outcomes = await unless_disconnected(request, gateway.complete_all(calls))
         result = chat_completion(response_id, body.model, outcomes)
         return JSONResponse(result.model_dump(), headers={ROUTE_HEADER: outcomes[0].final.engine,
@@ -310,7 +391,7 @@ def create_app(config: GatewayConfig, backends: dict[str, Backend] | None = None
         calls = completion_calls(body, request.headers, gateway.config.defaults, response_id)
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            return await stream_response(gateway, calls[0], "completions", response_id, body.model, include)
+            return await stream_response(request, gateway, calls[0], "completions", response_id, body.model, include)
         outcomes = await unless_disconnected(request, gateway.complete_all(calls))
         result = text_completion(response_id, body.model, outcomes, len(prompts_of(body)))
         return JSONResponse(result.model_dump(), headers={ROUTE_HEADER: outcomes[0].final.engine,

@@ -41,6 +41,7 @@ BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
 MAX_LINES = 50_000
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
+MAX_PROCESS_FAILURES = 5  # failed passes before a batch still validating is marked failed
 
 # execute(endpoint, body, request_id) -> (HTTP status, response body): the same path an HTTP request takes.
 Executor = Callable[[str, dict, str], Awaitable[tuple[int, dict, float | None]]]
@@ -89,7 +90,7 @@ def parse_input(content: bytes, endpoint: str) -> list[tuple[int, str, str]]:
 
         try:
             item = json.loads(raw)
-        except ValueError as error:
+        except (ValueError, RecursionError) as error:  # RecursionError: nesting deeper than the parser goes
             problem("invalid_json_line", f"line {number} is not valid JSON ({error})")
             continue
         if not isinstance(item, dict):
@@ -315,6 +316,7 @@ class BatchRunner:
         self.store, self.execute, self.max_concurrent = store, execute, max_concurrent
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._failures: dict[str, int] = {}  # batch id -> processing passes failed in a row
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="nowait-batch-runner")
@@ -333,17 +335,37 @@ class BatchRunner:
             batch_ids: list[str] = []
             try:
                 batch_ids = await asyncio.to_thread(self.store.unfinished)
-                for batch_id in batch_ids:
-                    await self._process(batch_id)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # keep the runner alive; the batch is retried on the next pass
-                log.exception("batch runner pass failed")
+            except Exception:  # the store could not be read: try again shortly
+                log.exception("batch runner could not list the unfinished batches")
                 await asyncio.sleep(1.0)
+            for batch_id in batch_ids:
+                try:
+                    await self._process(batch_id)
+                    self._failures.pop(batch_id, None)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as error:  # one failing batch must not hold up the ones after it
+                    log.exception("batch %s failed in processing", batch_id)
+                    await self._after_failure(batch_id, error)
             if not batch_ids:
                 self._wake.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), 1.0)
+
+    async def _after_failure(self, batch_id: str, error: Exception) -> None:
+        """A batch still being validated after `MAX_PROCESS_FAILURES` failed passes is marked
+        failed with the error (its input will not get better); one with accepted lines keeps
+        being retried, as its lines are durable, while the batches after it go on."""
+        self._failures[batch_id] = self._failures.get(batch_id, 0) + 1
+        if self._failures[batch_id] >= MAX_PROCESS_FAILURES and \
+                await asyncio.to_thread(self.store.status, batch_id) == "validating":
+            message = f"the batch could not be processed: {type(error).__name__}: {error}"
+            await asyncio.to_thread(self.store.fail, batch_id, [BatchError(code="internal_error", message=message)])
+            self._failures.pop(batch_id, None)
+        else:
+            await asyncio.sleep(1.0)
 
     async def _process(self, batch_id: str) -> None:
         store = self.store
@@ -354,7 +376,7 @@ class BatchRunner:
                 if content is None:
                     raise BatchInputError([BatchError(code="invalid_input_file",
                                                       message=f"input file {batch.input_file_id} no longer exists")])
-                lines = parse_input(content, batch.endpoint)
+                lines = await asyncio.to_thread(parse_input, content, batch.endpoint)  # off the event loop
             except BatchInputError as error:
                 await asyncio.to_thread(store.fail, batch_id, error.errors)
                 return
@@ -374,7 +396,7 @@ class BatchRunner:
         try:
             for line, custom_id, body in await asyncio.to_thread(self.store.pending_lines, batch_id):
                 await slots.acquire()
-                if self.store.status(batch_id) != "in_progress":  # cancelled: run nothing new
+                if await asyncio.to_thread(self.store.status, batch_id) != "in_progress":  # cancelled: run nothing new
                     slots.release()
                     break
                 task = asyncio.create_task(self._answer(batch_id, endpoint, line, custom_id, body))
@@ -392,6 +414,10 @@ class BatchRunner:
             status, response, retry_after = await self.execute(endpoint, body, request_id)
             if status != 429:
                 break
-            # A full engine queue is back-pressure, not an answer: wait and try again.
+            # A full engine queue is back-pressure, not an answer: wait and try again while the
+            # batch runs (a cancelled batch leaves the line unanswered). An engine that is not
+            # available (503) is an answer: waiting for it would hold up every later batch.
             await asyncio.sleep(retry_after or 0.5)
+            if await asyncio.to_thread(self.store.status, batch_id) != "in_progress":
+                return
         await asyncio.to_thread(self.store.answer, batch_id, line, status, response, request_id)

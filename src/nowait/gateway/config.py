@@ -184,6 +184,8 @@ class ServerConfig(Strict):
     router_model: str = Field("nowait", description="the model name that lets the router choose")
     request_timeout_s: float = Field(300.0, gt=0)
     torch_threads: int | None = Field(None, ge=1)
+    max_request_bytes: int = Field(200 * 1024 * 1024, ge=1024, description="largest request body (a batch input "
+                                                                           "file included); more gets 413")
 
 
 class AuthConfig(Strict):

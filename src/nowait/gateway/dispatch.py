@@ -175,6 +175,9 @@ class Dispatcher:
             except APIError as error:
                 self._account(outcome, started, error=error)
                 raise
+            except asyncio.CancelledError:  # the client hung up before the first byte
+                self._account(outcome, started, error=APIError(499, "client closed the request", code="cancelled"))
+                raise
             self._account(outcome, started)
             return StreamPlan(self, outcome, started, outcome.final.engine, replay=outcome.final.text)
         engine = decision.engine
@@ -256,6 +259,10 @@ class StreamPlan:
         except (asyncio.CancelledError, GeneratorExit):
             self.dispatcher._account(self.outcome, self.started,
                                      error=APIError(499, "client closed the request", code="cancelled"))
+            raise
+        except Exception as error:  # a bug: counted as the 500 the client is sent
+            self.dispatcher._account(self.outcome, self.started, error=APIError(
+                500, f"internal error ({type(error).__name__})", type="server_error"))
             raise
         attempt = self.stream.attempt
         if attempt is not None:

@@ -107,6 +107,7 @@ class Backend(Protocol):
     available: bool
     unavailable_reason: str
     stats: EngineStats
+    admits: int  # requests it accepts at once (running and queued); one more gets 429
 
     def may_receive(self, data_class: DataClass) -> bool: ...
 

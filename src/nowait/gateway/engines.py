@@ -155,6 +155,15 @@ class EngineWorker:
     def _intake(self) -> None:
         raise NotImplementedError
 
+    def _refusal(self, error: Exception, ticket: Ticket) -> APIError:
+        """What a request refused at intake is told: the engine's reason for a bad request; for
+        anything else a 500 that names the error, failing that request and no other."""
+        if isinstance(error, InvalidRequestError):
+            return invalid(error, ticket.where)
+        log.exception("engine %s could not take a request", self.name)
+        return APIError(500, f"engine {self.name!r} could not take the request: {error}", type="server_error",
+                        code="engine_error")
+
     def _drop_cancelled(self) -> None:
         raise NotImplementedError
 
@@ -192,8 +201,8 @@ class ArWorker(EngineWorker):
                 continue
             try:
                 ticket.seq = self.engine.submit(ticket.request)
-            except InvalidRequestError as error:
-                ticket.emit(Event("failed", error=invalid(error, ticket.where)))
+            except Exception as error:  # one request's failure is that request's alone
+                ticket.emit(Event("failed", error=self._refusal(error, ticket)))
                 continue
             self._active[ticket.seq.seq_id] = ticket
             ticket.emit(Event("accepted"))
@@ -317,8 +326,8 @@ class DiffusionWorker(EngineWorker):
                 continue
             try:
                 self.engine.plan(ticket.request)  # refuse before it joins a wave
-            except InvalidRequestError as error:
-                ticket.emit(Event("failed", error=invalid(error, ticket.where)))
+            except Exception as error:  # one request's failure is that request's alone
+                ticket.emit(Event("failed", error=self._refusal(error, ticket)))
                 continue
             self._pending.append(ticket)
             ticket.emit(Event("accepted"))
@@ -382,6 +391,7 @@ class OwnedBackend:
         self.name, self.kind, self.worker, self.codec = name, kind, worker, codec
         self.conventions = conventions
         self.max_model_len, self.capacity, self.max_queue = max_model_len, capacity, max_queue
+        self.admits = capacity + max_queue
         self.node_usd_per_hour = node_usd_per_hour
         self.default_max_tokens = default_max_tokens
         self.stats = worker.stats
@@ -445,7 +455,7 @@ class OwnedBackend:
         return GenerationRequest(ids, sampling, schema=schema, request_id=call.request_id, draft_ids=draft)
 
     def _reserve(self) -> None:
-        if self.in_flight >= self.capacity + self.max_queue:
+        if self.in_flight >= self.admits:
             per_request = self.stats.mean_request_s or 1.0
             retry = math.ceil(per_request * max(1, self.waiting()) / self.capacity)
             raise queue_full(self.name, min(60, max(1, retry)))
@@ -563,6 +573,7 @@ class UnavailableBackend:
 
     owned = True
     available = False
+    admits = 1  # nothing: every request gets 503
 
     def __init__(self, name: str, kind: str, reason: str, window_s: float, owned: bool = True) -> None:
         self.name, self.kind, self.unavailable_reason, self.owned = name, kind, reason, owned

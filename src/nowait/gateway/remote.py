@@ -52,6 +52,7 @@ class RemoteBackend:
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
         self.in_flight = 0
+        self.admits = config.max_concurrency
 
     def may_receive(self, data_class: DataClass) -> bool:
         return self.allowed is None or self.allowed.may_receive(DataClass(data_class))
@@ -102,7 +103,7 @@ class RemoteBackend:
                                         f"engine {self.name!r}")
         if self._client is None:
             raise UpstreamFailure(self.name, "not started")
-        if self.in_flight >= self.config.max_concurrency:
+        if self.in_flight >= self.admits:
             raise queue_full(self.name, 1)
 
     def _attempt(self, text: str, finish_reason: str, usage: dict | None, started: float,
@@ -207,8 +208,8 @@ class RemoteStream:
             self.attempt = self.backend._attempt("".join(parts), finish, usage, self.started, first, chunks)
         except httpx.HTTPError as error:
             raise UpstreamFailure(self.backend.name, f"{type(error).__name__}: {error}") from None
-        except ValueError as error:
-            raise UpstreamFailure(self.backend.name, f"unreadable stream ({error})") from None
+        except (ValueError, AttributeError, TypeError) as error:  # not JSON, or JSON of another shape
+            raise UpstreamFailure(self.backend.name, f"unreadable stream ({type(error).__name__}: {error})") from None
         finally:
             await self.aclose()
 
