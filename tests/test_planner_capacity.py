@@ -101,6 +101,17 @@ def test_idle_replicas_take_arrivals_first():
     assert simulate(FixedSteps(max_batch=4), 2, requests, 0.0).mean_wait_s == 0
 
 
+def test_a_run_shorter_than_a_few_lifetimes_is_not_steady_and_a_longer_one_is():
+    """Requests living 50 s, arriving one a second: 200 arrivals never see a full fleet's steady
+    state (the warm-up and cool-down windows, three lifetimes each, cover the whole span); 4,000 do."""
+    server = FixedSteps(step_s=1.0, max_batch=1)
+    short = simulate(server, 60, make_requests(np.arange(200.0), np.zeros(200), np.full(200, 50.0)), 0.1)
+    long = simulate(server, 60, make_requests(np.arange(4000.0), np.zeros(4000), np.full(4000, 50.0)), 0.1)
+    assert not short.steady and short.measured == 0
+    assert long.steady and long.measured == pytest.approx(4000 - 400 - 150, abs=2)
+    assert long.p99_latency_s == pytest.approx(50.0)
+
+
 def fake_result(p99: float) -> SimulationResult:
     return SimulationResult(replicas=1, completed=1, p50_latency_s=p99, p99_latency_s=p99, mean_latency_s=p99,
                             mean_wait_s=0.0, busy_fraction=0.5, output_tokens_per_s=1.0)

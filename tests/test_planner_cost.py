@@ -45,3 +45,11 @@ def test_sensitivity_rows():
     assert [r.node_usd_per_hour for r in rows] == [33.0, 55.0]
     assert rows[1].cost_per_mtok_usd == pytest.approx(55 / 1.8)
     assert rows[0].break_even[15.0] == pytest.approx((33 / 3.6) / 15)
+
+
+def test_sensitivity_rows_price_the_reruns_at_their_own_node_price():
+    """Re-runs use the same owned nodes: a row at another node price scales their cost too."""
+    rows = sensitivity([33.0, 55.0], 1000.0, 0.5, [15.0], fallback_rate=0.03, fallback_usd_per_mtok=6.0,
+                       fallback_priced_at=33.0)
+    assert rows[0].cost_per_mtok_usd == pytest.approx(33 / 1.8 + 0.03 * 6.0)
+    assert rows[1].cost_per_mtok_usd == pytest.approx(55 / 1.8 + 0.03 * 6.0 * 55 / 33)

@@ -95,3 +95,22 @@ def test_a_draft_model_and_a_mixture_of_experts_plan_end_to_end():
     moe = to_json(make_plan(parse_scenario({**base, "model": "mixtral-8x7b", "tensor_parallel": 2})))
     assert moe["model"]["parameters"] == pytest.approx(46.7e9, rel=0.01)
     assert moe["workloads"][0]["engines"]["ar"]["nodes"] is not None
+
+
+def test_long_lived_requests_are_simulated_long_enough_to_size_the_fleet():
+    """Overnight KYC requests live ~15 s at 35 arrivals/s: 2,000 arrivals (58 s) never reach
+    steady state, which planned one AR node too few against a 28 s target. The planner now
+    simulates more arrivals, and the p99 it plans with is the steady state's."""
+    scenario = load_scenario(BANK)
+    tight = scenario.model_copy(deep=True)
+    kyc = next(w for w in tight.workloads if w.name == "overnight-kyc")
+    kyc.p99_latency_s = 28
+    ar = next(w for w in to_json(make_plan(tight))["workloads"] if w["name"] == "overnight-kyc")["engines"]["ar"]
+    assert ar["simulated_arrivals"] > scenario.simulation.requests
+    assert ar["nodes"] == 7 and ar["p99_latency_s"] <= 28
+
+
+def test_the_p99_over_all_answers_counts_the_reruns(bank):
+    diffusion = bank["realtime-onboarding"]["engines"]["diffusion"]
+    assert diffusion["p99_all_answers_s"] == diffusion["fallback_latency_s"] > diffusion["p99_latency_s"]
+    assert "re-runs included" in diffusion["note"]

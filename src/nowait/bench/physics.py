@@ -92,7 +92,10 @@ def measure(config: ModelConfig, peak_flops: float, bandwidth: float, cases: lis
             "achieved_flops": achieved, "intensity": cost.intensity, "utilization": achieved / peak_flops,
             "roofline_flops": attainable,
             "bound": "memory" if cost.intensity * bandwidth < peak_flops else "compute",
-            "tokens_per_s": case.batch * (1 if case.causal else case.new_tokens) / seconds,
+            # Positions computed per second: for AR decode one per row, each a token; a diffusion
+            # pass computes every position of its span but commits only some (policy-dependent).
+            "positions_per_s": case.batch * case.new_tokens / seconds,
+            "tokens_per_s": case.batch / seconds if case.causal else None,
         })
     return {"peak_flops": peak_flops, "bandwidth": bandwidth, "ridge_intensity": peak_flops / bandwidth,
             "dtype_bytes": dtype_bytes, "cases": results}
@@ -167,11 +170,12 @@ def physics(
         return
     table = Table(title=f"bench physics: peak {peak / 1e9:.1f} GFLOP/s, bandwidth {bandwidth / 1e9:.1f} GB/s, "
                         f"ridge {peak / bandwidth:.1f} FLOP/byte")
-    for column in ("case", "intensity", "achieved GFLOP/s", "utilization", "bound", "ms", "tokens/s"):
+    for column in ("case", "intensity", "achieved GFLOP/s", "utilization", "bound", "ms", "positions/s"):
         table.add_column(column, justify="left" if column == "case" else "right")
     for c in results:
         table.add_row(c["name"], f"{c['intensity']:.1f}", f"{c['achieved_flops'] / 1e9:.2f}",
-                      f"{c['utilization']:.1%}", c["bound"], f"{c['seconds'] * 1000:.2f}", f"{c['tokens_per_s']:.0f}")
+                      f"{c['utilization']:.1%}", c["bound"], f"{c['seconds'] * 1000:.2f}",
+                      f"{c['positions_per_s']:.0f}")
     Console().print(table)
     if report:
         Console().print(f"roofline plot: {result['plot']}")

@@ -41,6 +41,30 @@ class SimulationResult:
     mean_wait_s: float
     busy_fraction: float  # share of replica-time with a batch running
     output_tokens_per_s: float  # over the whole run, all replicas
+    measured: int = 0  # requests the latency statistics describe (see `steady_window`)
+
+    @property
+    def steady(self) -> bool:
+        """Whether most arrivals fell in the steady window: else the run was too short for its
+        latencies (a fleet that never filled), and its statistics are optimistic."""
+        return self.measured >= STEADY_SHARE * self.completed
+
+
+# A fleet fills (and, once arrivals stop, empties) within a few request lifetimes.
+FILL_LIFETIMES = 3
+STEADY_SHARE = 0.5  # of the arrivals, in the steady window, for a run to count as long enough
+
+
+def steady_window(arrivals: np.ndarray, latency: np.ndarray, warmup_fraction: float) -> np.ndarray:
+    """The arrivals whose latencies describe the steady state (a boolean mask): after the warm-up
+    (the first `warmup_fraction` of the arrival span, and at least FILL_LIFETIMES median
+    latencies, while the fleet fills) and before the cool-down (the last FILL_LIFETIMES median
+    latencies, whose requests meet a fleet emptying as arrivals stop). Discarding by count would
+    keep requests that saw a half-empty fleet whenever a request outlives the warm-up count."""
+    lifetime = float(np.median(latency)) if len(latency) else 0.0
+    first, last = float(arrivals[0]), float(arrivals[-1])
+    start = first + max(warmup_fraction * (last - first), FILL_LIFETIMES * lifetime)
+    return (arrivals >= start) & (arrivals <= last - FILL_LIFETIMES * lifetime)
 
 
 def poisson_arrivals(rate_per_s: float, count: int, rng: np.random.Generator) -> np.ndarray:
@@ -79,7 +103,7 @@ class _Replica:
 
 def simulate(serving: ServingModel, replicas: int, requests: Sequence[Request],
              warmup_fraction: float = 0.1) -> SimulationResult:
-    """Run every request to completion; latency statistics skip the first `warmup_fraction` of arrivals."""
+    """Run every request to completion; latency statistics cover the steady window (`steady_window`)."""
     count = len(requests)
     started = np.zeros(count)
     finished = np.zeros(count)
@@ -183,10 +207,15 @@ def simulate(serving: ServingModel, replicas: int, requests: Sequence[Request],
         now = time
         end_macro_step(r)
 
-    skip = int(count * warmup_fraction)
     arrivals = np.array([r.arrival_s for r in requests])
-    latency = finished[skip:] - arrivals[skip:]
-    wait = started[skip:] - arrivals[skip:]
+    window = steady_window(arrivals, finished - arrivals, warmup_fraction)
+    if not window.any():  # too short to have a steady state: report it all, flagged by `steady`
+        window = np.ones(count, dtype=bool)
+        measured = 0
+    else:
+        measured = int(window.sum())
+    latency = finished[window] - arrivals[window]
+    wait = started[window] - arrivals[window]
     horizon = max(now, 1e-12)
     return SimulationResult(
         replicas=replicas, completed=count,
@@ -194,6 +223,7 @@ def simulate(serving: ServingModel, replicas: int, requests: Sequence[Request],
         mean_latency_s=float(latency.mean()), mean_wait_s=float(wait.mean()),
         busy_fraction=busy / (replicas * horizon),
         output_tokens_per_s=sum(r.output_tokens for r in requests) / horizon,
+        measured=measured,
     )
 
 

@@ -53,15 +53,19 @@ class SensitivityRow:
 
 def sensitivity(node_prices: list[float], tokens_per_s_per_node: float, utilization_at_plan: float,
                 api_prices: list[float], fallback_rate: float = 0.0,
-                fallback_usd_per_mtok: float = 0.0) -> list[SensitivityRow]:
-    """Owned cost per Mtok at each node price, and break-even utilization against each API price."""
+                fallback_usd_per_mtok: float = 0.0, fallback_priced_at: float | None = None) -> list[SensitivityRow]:
+    """Owned cost per Mtok at each node price, and break-even utilization against each API price.
+
+    `fallback_usd_per_mtok`: what a re-run costs at node price `fallback_priced_at`; the re-runs
+    run on the same owned nodes, so each row scales it to its own price."""
     rows = []
     for price in node_prices:
         own = cost_per_mtok(price, tokens_per_s_per_node, utilization_at_plan)
+        rerun = fallback_usd_per_mtok * (price / fallback_priced_at if fallback_priced_at else 1.0)
         rows.append(SensitivityRow(
             node_usd_per_hour=price,
-            cost_per_mtok_usd=with_fallback(own, fallback_rate, fallback_usd_per_mtok),
-            break_even={api: break_even_utilization(price, tokens_per_s_per_node, api,
-                                                    fallback_rate * fallback_usd_per_mtok) for api in api_prices},
+            cost_per_mtok_usd=with_fallback(own, fallback_rate, rerun),
+            break_even={api: break_even_utilization(price, tokens_per_s_per_node, api, fallback_rate * rerun)
+                        for api in api_prices},
         ))
     return rows
