@@ -34,6 +34,10 @@ from .conftest import build_model
     (r"^\d{2}-\w\s?[^a-c]$", ["12-z d", "12-_e", "12-zz", "1x-zd", "12-z a"]),
     (r"^é.$", ["éa", "éé", "ea", "é"]),
     (r"^a{2,}b{,1}$", ["aa", "aaab", "ab", "aabb"]),
+    (r"^[\x41-\x5A]{3}$", ["ABC", "A-Z", "-AA", "abc", "AZZ"]),  # escaped range ends are ranges
+    (r"^[\.-9]+$", [".", "/09", "9", "a", "-"]),
+    (r"^[a\-z]$", ["a", "-", "z", "b"]),
+    (r"^[\u0041-Z]$", ["A", "Q", "Z", "-", "a"]),
 ])
 def test_patterns_agree_with_python_re(pattern, texts):
     language = compile_language(seq(literal('"'), json_string_pattern(pattern), literal('"')))
@@ -41,7 +45,8 @@ def test_patterns_agree_with_python_re(pattern, texts):
         assert language.matches(json.dumps(text, ensure_ascii=False).encode()) == bool(re.search(pattern, text)), text
 
 
-@pytest.mark.parametrize("pattern", [r"(?=a)b", r"(a)\1", r"\bword", r"a*+", r"[a-", r"(ab"])
+@pytest.mark.parametrize("pattern", [r"(?=a)b", r"(a)\1", r"\bword", r"a*+", r"[a-", r"(ab", r"[\d-z]",
+                                     r"^\ud83d\ude00$", r"[\u00C0-\u017F]"])
 def test_unsupported_patterns_are_refused(pattern):
     with pytest.raises(PatternError):
         json_string_pattern(pattern)
@@ -145,3 +150,53 @@ def test_schemas_a_template_cannot_express_are_refused(codec, engine, schema, fr
         TemplateCompiler(codec, codec.mask_id).compile(schema)
     with pytest.raises(InvalidRequestError, match="schema: .*" + fragment):
         engine.generate([GenerationRequest([5, 6], SamplingParams(max_tokens=512), schema=schema)])
+
+
+def test_a_date_slot_holds_real_dates_only():
+    import datetime
+
+    from nowait.engines.structured import ISO_DATE
+
+    language = compile_language(ISO_DATE)
+    for text in ["2024-02-29", "2000-02-29", "2023-02-28", "2023-12-31", "2023-04-30", "1996-02-29",
+                 "2023-02-29", "1900-02-29", "2023-04-31", "2023-02-31", "2023-13-01", "2023-00-10", "2023-01-32"]:
+        try:
+            datetime.date.fromisoformat(text)
+            real = True
+        except ValueError:
+            real = False
+        assert language.matches(json.dumps(text).encode()) == real, text
+
+
+def test_enum_options_are_narrowed_by_the_other_keywords(codec):
+    from nowait.engines.structured import value_language
+
+    narrowed = compile_language(value_language("a", {"type": "string", "enum": ["abc", "abcdefgh"], "maxLength": 4},
+                                               100))
+    assert narrowed.matches(b'"abc"') and not narrowed.matches(b'"abcdefgh"')
+    with pytest.raises(SchemaTemplateError, match="no enum option"):
+        value_language("a", {"const": "ab", "pattern": "^x"}, 100)
+
+
+@pytest.mark.parametrize(("properties", "fragment"), [
+    ({"a": {"type": "string", "minLength": 5, "maxLength": 3}}, "minLength 5 > maxLength 3"),
+    ({"a": {"enum": []}}, "cannot be laid out"),
+    ({"a": {"type": "string", "x-nowait-slot-tokens": "abc"}}, "cannot be laid out"),
+    ({"a": {"enum": [float("nan")]}}, "NaN"),
+    ({"a": {"type": "string", "format": "date", "pattern": "^2"}}, "format: date together"),
+    ({"a": {"type": "string", "x-nowait-slot-tokens": 10**6}}, "more than max_tokens"),
+])
+def test_schemas_that_would_break_the_promise_are_refused_clearly(codec, engine, properties, fragment):
+    schema = {"type": "object", "properties": properties}
+    built = dict(engine.compiler._automata)
+    with pytest.raises(InvalidRequestError, match="schema: .*" + re.escape(fragment)):
+        engine.generate([GenerationRequest([5, 6], SamplingParams(max_tokens=512), schema=schema)])
+    assert engine.compiler._automata == built  # refused before a slot automaton was built
+
+
+def test_the_template_keeps_the_property_order_it_was_given(codec):
+    compiler = TemplateCompiler(codec, codec.mask_id)
+    first = compiler.compile({"type": "object", "properties": {"a": {"type": "boolean"}, "b": {"type": "null"}}})
+    second = compiler.compile({"type": "object", "properties": {"b": {"type": "null"}, "a": {"type": "boolean"}}})
+    assert [s.name for s in first.template.slots] == ["a", "b"]
+    assert [s.name for s in second.template.slots] == ["b", "a"]

@@ -148,15 +148,12 @@ def plan_request(request: GenerationRequest, defaults: DiffusionOptions, config:
             raise InvalidRequestError("schema: template infilling pads slots with <|endoftext|>, which this "
                                       "model's tokenizer lacks")
         try:
-            template = compiler.compile(request.schema)
+            template = compiler.compile(request.schema, max_tokens=request.sampling.max_tokens)
         except SchemaTemplateError as error:
             raise InvalidRequestError(f"schema: {error}") from None
         window = list(template.template.ids)
         slots = set(template.template.slot_positions)
         fillable = [i in slots for i in range(len(window))]
-        if len(window) > request.sampling.max_tokens:
-            raise InvalidRequestError(f"the schema's template takes {len(window)} tokens, more than max_tokens "
-                                      f"({request.sampling.max_tokens})")
     else:
         window = [mask_id] * request.sampling.max_tokens
         fillable = [True] * len(window)

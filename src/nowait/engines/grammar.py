@@ -99,7 +99,7 @@ class GrammarCompiler:
                    options=options)
 
     def grammar(self, schema: dict) -> str:
-        key = json.dumps(schema, sort_keys=True)
+        key = json.dumps(schema)  # unsorted: property order is the order the JSON is written in
         if key not in self._grammars:
             try:
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=self.options.compile_options())

@@ -16,7 +16,10 @@ then valid for the schema by construction, whatever the model proposes.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
+
+from jsonschema import Draft202012Validator
 
 from nowait.engines.token_automaton import (
     Node,
@@ -151,7 +154,12 @@ NULL = literal("null")
 QUOTE = literal('"')
 # Unescaped characters or the short escapes; \\uXXXX is left out (a model has no need of it).
 FREE_STRING = seq(QUOTE, rep(alt(json_string_char(), seq(literal("\\"), char_set('"\\/bfnrt'))), 0, None), QUOTE)
-ISO_DATE = seq(QUOTE, parse_regex(r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"), QUOTE)
+# RFC 3339 full-date, days per month, February 29 in leap years only (Gregorian: divisible by 4,
+# not by 100 unless by 400).
+ISO_DATE = seq(QUOTE, parse_regex(
+    r"[0-9]{4}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"
+    r"|02-(0[1-9]|1[0-9]|2[0-8]))"
+    r"|([0-9]{2}(0[48]|[2468][048]|[13579][26])|([02468][048]|[13579][26])00)-02-29"), QUOTE)
 
 # Keywords that only describe; anything else a slot cannot enforce is refused, not ignored.
 ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
@@ -193,9 +201,14 @@ def value_language(name: str, schema: dict, max_chars: int) -> Node:
         options = schema["enum"] if "enum" in schema else [schema["const"]]
         if not isinstance(options, list) or any(isinstance(o, dict | list) for o in options):
             raise refuse("enum options must be scalars")
-        options = [o for o in options if any(_matches_type(o, t) for t in types)]
+        if any(isinstance(o, float) and not math.isfinite(o) for o in options):
+            raise refuse("enum options must be JSON values (NaN and infinities are not)")
+        # The other keywords (type, pattern, lengths, format) narrow the options, as a validator reads them.
+        rest = {k: v for k, v in schema.items() if k not in ("enum", "const") and not k.startswith("x-")}
+        checker = Draft202012Validator(rest, format_checker=Draft202012Validator.FORMAT_CHECKER)
+        options = [o for o in options if any(_matches_type(o, t) for t in types) and checker.is_valid(o)]
         if not options:
-            raise refuse("no enum option matches the declared type")
+            raise refuse("no enum option is valid for the property's other keywords")
         return alt(*(literal(json.dumps(o, ensure_ascii=False)) for o in options))
     branches = []
     for json_type in types:
@@ -215,7 +228,11 @@ def value_language(name: str, schema: dict, max_chars: int) -> Node:
 def _string_language(schema: dict, max_chars: int, refuse) -> Node:
     low = int(schema.get("minLength", 0))
     high = schema.get("maxLength")
+    if high is not None and int(high) < low:
+        raise refuse(f"minLength {low} > maxLength {high}: no string is valid")
     bounded = low > 0 or (high is not None and int(high) < max_chars)
+    if schema.get("format") == "date" and ("pattern" in schema or "minLength" in schema or "maxLength" in schema):
+        raise refuse("format: date together with pattern/minLength/maxLength is not supported")
     if "pattern" in schema:
         if bounded:
             raise refuse("a pattern together with minLength/maxLength is not supported")
@@ -239,6 +256,10 @@ class ConstrainedTemplate:
     automata: tuple[SlotAutomaton, ...]
 
 
+MAX_CACHED_TEMPLATES = 256  # compiled schemas kept per engine, the oldest dropped first
+MAX_CACHED_AUTOMATA = 64  # slot automata (one per distinct value language and width)
+
+
 class TemplateCompiler:
     """Compiles schemas for one tokenizer, caching token bytes, automata and templates."""
 
@@ -250,15 +271,28 @@ class TemplateCompiler:
         self._automata: dict[tuple[Node, int], SlotAutomaton] = {}
         self._templates: dict[str, ConstrainedTemplate] = {}
 
-    def compile(self, schema: dict) -> ConstrainedTemplate:
-        """Raises SchemaTemplateError when the schema cannot be laid out or enforced."""
-        key = json.dumps(schema, sort_keys=True, default=str)
-        if key not in self._templates:
-            self._templates[key] = self._compile(schema)
-        return self._templates[key]
+    def compile(self, schema: dict, max_tokens: int | None = None) -> ConstrainedTemplate:
+        """Raises SchemaTemplateError when the schema cannot be laid out or enforced, or when its
+        template is longer than `max_tokens` (checked before the slots' automata are built:
+        a wide slot costs seconds to compile). A malformed keyword value is refused the same way."""
+        key = json.dumps(schema, default=str)  # property order is the template's order: keep it
+        found = self._templates.get(key)
+        try:
+            template = found.template if found is not None else build_template(schema, self.codec, self.mask_id)
+            if max_tokens is not None and len(template.ids) > max_tokens:
+                raise SchemaTemplateError(f"the template takes {len(template.ids)} tokens, more than max_tokens "
+                                          f"({max_tokens}): lower maxLength or x-nowait-slot-tokens")
+            if found is None:
+                found = self._templates[key] = self._compile(schema, template)
+                while len(self._templates) > MAX_CACHED_TEMPLATES:  # oldest first: dicts keep insertion order
+                    self._templates.pop(next(iter(self._templates)))
+        except SchemaTemplateError:
+            raise
+        except (TypeError, ValueError, UnicodeError) as error:  # e.g. x-nowait-slot-tokens: "abc", enum: []
+            raise SchemaTemplateError(f"the schema cannot be laid out ({type(error).__name__}: {error})") from None
+        return found
 
-    def _compile(self, schema: dict) -> ConstrainedTemplate:
-        template = build_template(schema, self.codec, self.mask_id)
+    def _compile(self, schema: dict, template: Template) -> ConstrainedTemplate:
         unknown = sorted(k for k in schema if k not in OBJECT_KEYWORDS | ANNOTATIONS and not k.startswith("x-"))
         if unknown:
             raise SchemaTemplateError(f"template infilling cannot enforce {', '.join(map(repr, unknown))}")
@@ -277,6 +311,8 @@ class TemplateCompiler:
                 except PatternError as error:
                     raise SchemaTemplateError(f"property {slot.name!r}: {error}") from None
                 self._automata[key] = automaton
+                while len(self._automata) > MAX_CACHED_AUTOMATA:  # a wide slot's automaton holds megabytes
+                    self._automata.pop(next(iter(self._automata)))
             automaton = self._automata[key]
             if not automaton.completable([None] * slot.width):
                 raise SchemaTemplateError(f"property {slot.name!r}: no valid value fits its slot of "
