@@ -126,9 +126,9 @@ class Gateway:
         return max(1, min((b.admits for b in engines), default=1))
 
     async def complete_all(self, calls: list[Call]) -> list[Outcome]:
-        """The choices of one request (n x prompts), at most as many at once as the smallest
-        available engine admits: a request is never refused for asking more of an engine than it
-        can ever hold, only for what others hold (429, which a batch line waits out)."""
+        """The choices of one request (n x prompts), at most `calls_at_once` at a time: a
+        request is never refused for asking more of an engine than it can ever hold, only for
+        what others hold (429, which a batch line waits out)."""
         if len(calls) == 1:
             return [await self.dispatcher.complete(calls[0])]
         gate = asyncio.Semaphore(self.calls_at_once(calls[0].model))
