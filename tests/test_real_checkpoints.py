@@ -263,6 +263,52 @@ def test_llada_sequential_block_is_refused(tmp_path):
         load_pretrained(tmp_path / "llada")
 
 
+def copy_of(source, directory):
+    directory.mkdir()
+    for path in source.iterdir():
+        (directory / path.name).write_bytes(path.read_bytes())
+    return directory
+
+
+def test_stored_rope_inverse_frequencies_are_ignored(ar_checkpoints, tmp_path):
+    """Older Llama conversions store each layer's RoPE buffer; it is computed from the config."""
+    source, reference = ar_checkpoints["llama"]
+    directory = copy_of(source, tmp_path / "old-llama")
+    state = load_file(str(directory / "model.safetensors"))
+    state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+    write_weights(directory, state)
+    ids = sample_ids(9, seed=8)
+    with torch.no_grad():
+        assert_close(load_pretrained(directory).model(ids), causal_logits(reference, ids), atol=1e-4, rtol=0)
+
+
+def test_a_tied_checkpoint_whose_head_differs_is_refused(ar_checkpoints, tmp_path):
+    source, _ = ar_checkpoints["llama"]
+    directory = copy_of(source, tmp_path / "tied")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    state = load_file(str(directory / "model.safetensors"))
+    assert not torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
+    with pytest.raises(CheckpointError, match=r"ties the output head .* differs"):
+        load_pretrained(directory)
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()  # a tied file carrying the copy
+    write_weights(directory, state)
+    loaded = load_pretrained(directory)
+    assert loaded.model.lm_head is None
+
+
+def test_auto_dtype_is_the_checkpoints_own(ar_checkpoints, tmp_path):
+    source, _ = ar_checkpoints["llama"]
+    directory = copy_of(source, tmp_path / "bf16")
+    config = json.loads((directory / "config.json").read_text())
+    config.pop("dtype", None)
+    (directory / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    assert {p.dtype for p in load_pretrained(directory, dtype="auto").model.parameters()} == {torch.bfloat16}
+    config.pop("torch_dtype", None)
+    (directory / "config.json").write_text(json.dumps(config))
+    assert {p.dtype for p in load_pretrained(directory, dtype="auto").model.parameters()} == {torch.float32}
+
+
 # --- dtype and device ---
 
 

@@ -101,11 +101,18 @@ class LoadedModel:
         return "ar" if self.model.config.causal else "diffusion"
 
 
-def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def torch_dtype(dtype: str | torch.dtype, hf_config: dict | None = None) -> torch.dtype:
+    """`auto`: the checkpoint's own (config.json `torch_dtype`, or `dtype` in newer files), float32
+    when it names none."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        stated = (hf_config or {}).get("torch_dtype") or (hf_config or {}).get("dtype") or "float32"
+        if stated not in DTYPES:
+            raise ValueError(f"config.json names the dtype {stated!r}; pass float32, bfloat16 or float16")
+        return DTYPES[stated]
     if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose float32, bfloat16 or float16")
+        raise ValueError(f"unknown dtype {dtype!r}; choose float32, bfloat16, float16 or auto")
     return DTYPES[dtype]
 
 
@@ -135,7 +142,9 @@ def load_weights(directory: Path, architecture: Architecture, config: ModelConfi
     where = tensor_names(files)
     skipped = {architecture.head_name()} if config.tie_embeddings else set()
     missing = sorted(set(expected) - set(where))
-    unexpected = sorted(set(where) - set(expected) - skipped)
+    # Older Llama conversions store each layer's RoPE inverse frequencies, a buffer computed from
+    # the config anyway (transformers ignores them too).
+    unexpected = sorted(n for n in set(where) - set(expected) - skipped if not n.endswith("rotary_emb.inv_freq"))
     if missing or unexpected:
         raise CheckpointError(f"{directory}: tensors missing {missing[:5]} unexpected {unexpected[:5]} "
                               f"({len(missing)} missing and {len(unexpected)} unexpected in all)")
@@ -149,6 +158,15 @@ def load_weights(directory: Path, architecture: Architecture, config: ModelConfi
 
     state = {expected[name]: tensor for name, tensor in iter_tensors(files, expected, convert)}
     model.load_state_dict(state, assign=True)
+    head = architecture.head_name()
+    if config.tie_embeddings and head in where:
+        # A tied checkpoint may carry the head's copy; one that differs means the file is not
+        # tied after all, and using the embedding would compute other logits than its authors'.
+        for _, tensor in iter_tensors(files, {head}, lambda _name, t: t.to(device=device, dtype=dtype)):
+            if not torch.equal(tensor, model.embed_tokens.weight):
+                raise CheckpointError(f"{where[head]}: config.json ties the output head to the embeddings "
+                                      f"(tie_word_embeddings) but {head!r} differs from them: set "
+                                      "tie_word_embeddings to false if the head is its own")
     return model
 
 
@@ -164,9 +182,11 @@ def load_pretrained(directory: str | Path, dtype: str | torch.dtype = "float32",
         raise CheckpointError(f"{directory}: no such checkpoint directory")
     if engine is not None and engine not in ENGINE_KINDS:
         raise ValueError(f"unknown engine {engine!r}; choose ar or diffusion")
-    dtype = torch_dtype(dtype)
+    if dtype != "auto":
+        dtype = torch_dtype(dtype)  # a bad name is refused before anything is read
     check_device(device)
     hf = read_json(directory / "config.json")
+    dtype = torch_dtype(dtype, hf)
     try:
         architecture = architecture_for(hf)
         config = read_model_config(architecture, hf)

@@ -390,6 +390,7 @@ class Dtype(str, Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
+    auto = "auto"  # the checkpoint's own (config.json torch_dtype)
 
 
 @app.command()
@@ -401,7 +402,8 @@ def generate(
     engine: EngineKind = typer.Option(None, "--engine", help="ar or diffusion (default: what the checkpoint is)"),
     temperature: float = typer.Option(0.0, "--temperature", help="0: greedy; above 0: sampled"),
     seed: int = typer.Option(None, "--seed", help="seed of the sampler (with --temperature)"),
-    dtype: Dtype = typer.Option(Dtype.float32, "--dtype", help="weights and activations: float32, bfloat16, float16"),
+    dtype: Dtype = typer.Option(Dtype.float32, "--dtype", help="weights and activations: float32, bfloat16, "
+                                                               "float16, or auto (the checkpoint's own)"),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N"),
     raw: bool = typer.Option(False, "--raw", help="encode the prompt as is, without the chat template"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object (text, token_ids, stats)"),
@@ -421,7 +423,8 @@ def generate(
         completion, seconds = generate_once(loaded, prompt, max_tokens, temperature, seed, chat=not raw)
     except (CheckpointError, InvalidRequestError, ValueError) as error:
         fail(str(error))
-    record = completion_record(loaded, completion, seconds, dtype.value, device)
+    loaded_dtype = str(loaded.model.output_weight().dtype).removeprefix("torch.")  # `auto` resolved
+    record = completion_record(loaded, completion, seconds, loaded_dtype, device)
     if as_json:
         print(json.dumps(record, ensure_ascii=False))
         return

@@ -43,7 +43,7 @@ class OwnedEngineConfig(Strict):
     model: str = Field("ar", description="a bundled demo model (ar, draft, diffusion) or a checkpoint directory")
     node_usd_per_hour: float = Field(REFERENCE_NODE_USD_PER_HOUR, ge=0,
                                      description="what the node this engine runs on costs per hour")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"  # auto: the checkpoint's own
     device: str = "cpu"
     max_queue: int = Field(64, ge=0, description="requests allowed to wait beyond those running; more get 429")
 
