@@ -9,8 +9,8 @@ from nowait.bench.load_profile_out import (
     ProfileWriteError,
     build_profile,
     decode_step_seconds,
-    decoding_forwards,
     interleaved_prefills,
+    planner_forwards,
     write_profile,
 )
 from nowait.bench.load_runner import RunResult, RunSpec
@@ -56,10 +56,11 @@ def test_measurements_follow_the_engines_structure():
     assert [m.batch for m in decode] == [1, 4]
     assert all(m.seconds == pytest.approx(0.01) and m.context == round(200 + 11 / 2) for m in decode)
     [diffusion] = [m for m in profile.measurements if m.engine == "diffusion"]
-    assert diffusion.seconds == pytest.approx(0.02)  # 0.2 s over 10 forwards
+    # Alone, each answer's 10 forwards all decode (the prompt rode in the first): the planner
+    # counts 11 with its prefill, so 0.2 s is 11 forwards of 0.2 / 11 s.
+    assert diffusion.seconds == pytest.approx(0.2 / 11)
     assert (diffusion.new_tokens, diffusion.context) == (120, 180)
-    # 480 tokens over 40 forwards, less each answer's prompt prefill: 36 decoding forwards
-    assert profile.engine_parameters.diffusion.tokens_per_forward == pytest.approx(480 / 36, abs=1e-4)
+    assert profile.engine_parameters.diffusion.tokens_per_forward == pytest.approx(480 / 40, abs=1e-4)
     assert profile.engine_parameters.diffusion.fallback_rate == pytest.approx(0.25)
     assert notes == []
 
@@ -117,5 +118,8 @@ def test_batched_decode_steps_leave_out_the_prefills_that_stalled_them():
     assert any("no synchronous run" in note for note in notes)
 
 
-def test_a_diffusion_answer_forwards_less_its_prompt_prefill():
-    assert [decoding_forwards(f) for f in (10, 2, 1)] == [9, 1, 1]
+def test_the_planner_counts_a_diffusion_answers_prefill_apart():
+    # Alone, the prompt rode in the first forward: every forward decodes, the planner adds its prefill.
+    assert [planner_forwards(f, alone=True) for f in (10, 2, 1)] == [(10, 11), (2, 3), (1, 2)]
+    # Joined a batch: the prompt's own prefill forward is in the count already.
+    assert [planner_forwards(f, alone=False) for f in (10, 2, 1)] == [(9, 10), (1, 2), (1, 2)]

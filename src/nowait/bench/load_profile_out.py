@@ -13,9 +13,10 @@ using the engine's own structure:
     diffusion     every run whose answers say their forwards (the nowait gateway's
                   `engines_tried[].forwards`, or the engine in process): batch = mean
                   concurrency, new_tokens = mean answer tokens, context = mean prompt,
-                  seconds = median of (engine seconds / forwards)
+                  seconds = median of (engine seconds / the planner's forwards, see
+                  `planner_forwards`)
     parameters    diffusion tokens_per_forward = answer tokens / decoding forwards over all
-                  runs (the prompt's prefill forward left out: the planner counts it apart);
+                  runs (the planner counts the prompt's prefill apart);
                   fallback_rate = share of diffusion answers the gateway re-ran
 
 These are upper bounds on a forward's time (queueing, HTTP and interleaved prefills land in the
@@ -147,15 +148,20 @@ def _diffusion_runs(records: list[RequestRecord], engine: str) -> list[tuple[Req
     return runs
 
 
-# The nowait diffusion engine counts the prompt's prefill as one of a request's forwards (every
-# cache mode but `none`); the planner's step model counts the prefill apart from the decoding
-# forwards that `tokens_per_forward` is about, so one forward per answer is taken off.
-PROMPT_PREFILL_FORWARDS = 1
+def planner_forwards(forwards: int, alone: bool) -> tuple[int, int]:
+    """(decoding forwards, forwards as the planner counts them) of one nowait diffusion answer.
 
-
-def decoding_forwards(forwards: int) -> int:
-    """A diffusion answer's forwards less its prompt prefill (an answer of one forward had none)."""
-    return forwards - PROMPT_PREFILL_FORWARDS if forwards > PROMPT_PREFILL_FORWARDS else forwards
+    The planner prices a request as a prefill forward plus the decoding forwards that
+    `tokens_per_forward` is about. The engine's count differs by how the prompt went in: a
+    request alone (every request of a synchronous run) forwards its prompt with its window's
+    first refresh, so all its forwards decode, and the planner's prefill is one more; a request
+    that joined a batch had its prompt prefilled in a forward of its own, already counted.
+    Either way the planner's forwards, times the measured seconds per forward, give the
+    answer's time back."""
+    if alone:
+        return forwards, forwards + 1
+    decoding = forwards - 1 if forwards > 1 else forwards
+    return decoding, decoding + 1
 
 
 def build_profile(results: list[RunResult], kind_of: Callable[[str], str | None], model: str, hardware: str,
@@ -194,13 +200,15 @@ def build_profile(results: list[RunResult], kind_of: Callable[[str], str | None]
             runs = _diffusion_runs(answered, engine)
             if not runs:
                 continue
+            alone = result.spec.mode == "synchronous"
+            counted = [planner_forwards(f, alone) for _, _, f, _ in runs]
             measurements.append(Measurement(
                 engine="diffusion", batch=_concurrency([r for r, *_ in runs], duration),
                 new_tokens=max(1, round(float(np.mean([t for *_, t in runs])))),
                 context=round(float(np.mean([r.prompt_tokens for r, *_ in runs]))),
-                seconds=_median([s / f for _, s, f, _ in runs])))
+                seconds=_median([s / total for (_, s, _, _), (_, total) in zip(runs, counted, strict=True)])))
             tokens += sum(t for *_, t in runs)
-            forwards += sum(decoding_forwards(f) for _, _, f, _ in runs)
+            forwards += sum(decoding for decoding, _ in counted)
         for record in answered:  # the fallback share of answers the router sent to diffusion first
             if record.attempts and record.rule is not None and kind_of(record.attempts[0].engine) == "diffusion":
                 fast_answers += 1
