@@ -94,9 +94,9 @@ def test_unexpected_tensor_is_named(saved):
     directory, _ = saved
     weights = directory / "model.safetensors"
     tensors = load_file(str(weights))
-    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+    tensors["model.layers.0.self_attn.q_norm.weight"] = torch.ones(4)  # a layer this architecture lacks
     save_file(tensors, str(weights))
-    with pytest.raises(CheckpointError, match=r"unexpected \['model\.layers\.0\.self_attn\.rotary_emb\.inv_freq'\]"):
+    with pytest.raises(CheckpointError, match=r"unexpected \['model\.layers\.0\.self_attn\.q_norm\.weight'\]"):
         load_pretrained(directory)
 
 

@@ -150,9 +150,39 @@ def test_unknown_split(tiny_checkpoints):
 
 
 @pytest.mark.parametrize(("args", "message"), [(["--prompt-isolation", "1.5"], "--prompt-isolation"),
-                                               (["--minutes", "0"], "--minutes")])
+                                               (["--minutes", "0"], "--minutes"),
+                                               (["--device", "bogus"], "unknown device")])
 def test_train_refuses_bad_settings_in_one_line(args, message, tmp_path):
     result = runner.invoke(app, ["train", "diffusion", *args, "--run-dir", str(tmp_path / "run"),
                                  "--out", str(tmp_path / "out")])
     assert_one_clear_line(result, message)
     assert not (tmp_path / "out").exists()
+
+
+def test_extract_with_diffusion_uses_the_engines_fast_default(tiny_checkpoints, tmp_path):
+    document = tmp_path / "form.txt"
+    document.write_text("KYC ONBOARDING FORM\nFull name: Ada Okafor\nNationality: NG\n")
+    result = runner.invoke(app, ["extract", str(document), "--json", "--engine", "diffusion",
+                                 "--model", str(tiny_checkpoints["diffusion"])])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output.strip().splitlines()[-1])
+    assert "fast default" in report["decoding"] and report["forwards"] >= 1
+
+
+def test_extract_and_eval_refuse_what_they_cannot_run(tiny_checkpoints):
+    result = runner.invoke(app, ["extract", "--engine", "spec", "--model", str(tiny_checkpoints["ar"])])
+    assert_one_clear_line(result, "unknown engine", "ar or diffusion")
+    result = runner.invoke(app, ["eval", "--device", "bogus", "--n", "1", "--model", str(tiny_checkpoints["ar"])])
+    assert_one_clear_line(result, "unknown device")
+    result = runner.invoke(app, ["eval", "--threads", "-1", "--n", "1", "--model", str(tiny_checkpoints["ar"])])
+    assert result.exit_code == 2 and "--threads" in result.output
+
+
+@pytest.mark.parametrize("args", [["--steps", "0"], ["--steps", "-5"], ["--batch-size", "0"], ["--threads", "0"]])
+def test_train_refuses_counts_below_one_before_any_work(args, tmp_path):
+    """Checked as the options are parsed (a usage error naming the option); --steps 0 used to
+    start a full default run."""
+    result = runner.invoke(app, ["train", "ar", *args, "--run-dir", str(tmp_path / "run"),
+                                 "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and args[0] in result.output
+    assert not (tmp_path / "run").exists()

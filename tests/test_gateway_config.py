@@ -199,3 +199,19 @@ def test_bench_gateway_smoke(tmp_path, codec):
     assert result["concurrency"]["errors"] == 0 and result["concurrency"]["output_tokens"] == 16
     assert set(result["latency"]["added_ms"]) == {"p50", "p99"}
     json.dumps(result)
+
+
+def test_serve_overrides_are_validated_as_a_files_values_are(tmp_path):
+    app = typer.Typer()
+    register_serve(app)
+    app.command("noop")(lambda: None)  # a second command keeps "serve" a subcommand
+    for args, field in ((["--port", "70000"], "--port"), (["--threads", "-1"], "--threads")):
+        result = CliRunner().invoke(app, ["serve", *args])
+        assert result.exit_code == 2 and field in result.output, result.output
+
+
+def test_a_file_without_engines_serves_the_bundled_ones(tmp_path):
+    path = tmp_path / "two-lines.yaml"
+    path.write_text("routing:\n  fallback_engine: spec\n")
+    config = load_config(path)
+    assert set(config.engines) == {"ar", "spec", "diffusion"} and config.routing.fallback_engine == "spec"

@@ -47,29 +47,30 @@ def fail(message: str) -> None:
 @app.command()
 def train(
     kind: TrainKind = typer.Argument(..., help="ar (target), draft (speculative draft) or diffusion"),
-    steps: int = typer.Option(None, help="total optimizer steps (default per kind)"),
-    batch_size: int = typer.Option(16),
+    steps: int = typer.Option(None, min=1, help="total optimizer steps (default per kind)"),
+    batch_size: int = typer.Option(16, min=1),
     learning_rate: float = typer.Option(None, help="peak learning rate (default per kind)"),
-    eval_every: int = typer.Option(500),
-    eval_documents: int = typer.Option(60, help="validation documents per periodic evaluation"),
-    threads: int = typer.Option(2),
+    eval_every: int = typer.Option(500, min=1),
+    eval_documents: int = typer.Option(60, min=1, help="validation documents per periodic evaluation"),
+    threads: int = typer.Option(2, min=1),
     seed: int = typer.Option(0),
     run_dir: Path = typer.Option(None, help="checkpoints and log (default runs/KIND)"),
     out: Path = typer.Option(None, help="exported model directory (default: the bundled assets)"),
     init_from: Path = typer.Option(None, help="start from this checkpoint's weights (diffusion default: bundled "
                                               "ar; to train a bundled model on, pass its own directory)"),
     device: str = typer.Option("cpu", help="cpu, cuda or cuda:N"),
-    data_workers: int = typer.Option(0, help="processes building batches ahead of the optimizer (a GPU "
+    data_workers: int = typer.Option(0, min=0, help="processes building batches ahead of the optimizer (a GPU "
                                              "needs several to stay busy)"),
     minutes: float = typer.Option(None, help="time budget: the total steps are planned from the measured "
                                              "rate so the learning rate still decays at the end (--steps "
                                              "then caps them)"),
-    data_start: int = typer.Option(0, help="first training-document index of a new run (a run continuing "
+    data_start: int = typer.Option(0, min=0, help="first training-document index of a new run (a run continuing "
                                            "from --init-from should read documents it has not seen)"),
     prompt_isolation: float = typer.Option(0.0, help="diffusion: share of rows whose prompt attends only to "
                                                      "itself, as under the engine's prompt cache"),
 ) -> None:
     """Train a demo model (resumes from RUN_DIR/state.pt when present)."""
+    from nowait.checkpoints import check_device
     from nowait.training import TrainSettings
     from nowait.training import train as run_training
 
@@ -78,8 +79,14 @@ def train(
         fail(f"--prompt-isolation must be in [0, 1], got {prompt_isolation}")
     if minutes is not None and minutes <= 0:
         fail(f"--minutes must be positive, got {minutes}")
+    try:
+        check_device(device)
+    except ValueError as error:
+        fail(str(error))
+    if steps is None:
+        steps = 10**9 if minutes else defaults[0]
     settings = TrainSettings(
-        kind=kind.value, steps=steps or (10**9 if minutes else defaults[0]), batch_size=batch_size,
+        kind=kind.value, steps=steps, batch_size=batch_size,
         learning_rate=learning_rate or defaults[1], eval_every=eval_every,
         eval_documents=eval_documents, threads=threads, seed=seed, device=device, data_workers=data_workers,
         minutes=minutes, data_start=data_start, prompt_isolation=prompt_isolation,
@@ -118,7 +125,7 @@ def _load_model(model: str, engine: str, device: str = "cpu"):
 
     try:
         loaded = load_pretrained(paths.model_dir(model), device=device)
-    except CheckpointError as error:
+    except (CheckpointError, ValueError) as error:  # ValueError: a device this machine lacks
         fail(str(error))
     if loaded.codec.end_id is None:
         # eval and extract decode with the demo prompt and its <|endoftext|> end token.
@@ -155,7 +162,7 @@ def evaluate(
     draft: str = typer.Option(None, help="spec: draft checkpoint directory for methods hybrid and draft "
                                          "(default: the bundled draft), or the diffusion checkpoint for method "
                                          "diffusion (default: the bundled diffusion)"),
-    threads: int = typer.Option(None, help="CPU threads (default: torch's choice)"),
+    threads: int = typer.Option(None, min=1, help="CPU threads (default: torch's choice)"),
     device: str = typer.Option("cpu", help="cpu, cuda or cuda:N (engines ar and diffusion)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
@@ -283,7 +290,7 @@ def calibrate(
                                     "real-time extraction route) or free-form ones"),
     batch_size: int = typer.Option(8),
     write: bool = typer.Option(True, "--write/--no-write", help="write calibration.json beside the model"),
-    threads: int = typer.Option(None, help="CPU threads (default: torch's choice)"),
+    threads: int = typer.Option(None, min=1, help="CPU threads (default: torch's choice)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Choose the confidence threshold below which diffusion answers fall back to AR, on held-out data."""
@@ -349,11 +356,11 @@ def extract(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object with the extraction and its stats"),
 ) -> None:
     """Extract one document to JSON and say how it was produced."""
-    from nowait.evaluation import ENGINES, check_engine
+    from nowait.evaluation import check_engine
     from nowait.evaluation import extract as run_extract
 
-    if engine not in ENGINES:
-        fail(f"unknown engine {engine!r}; choose one of: {', '.join(ENGINES)}")
+    if engine not in ("ar", "diffusion"):
+        fail(f"unknown engine {engine!r}; choose ar or diffusion")
     path = file or paths.sample_document()
     if not path.is_file():
         fail(f"{path}: no such file")
@@ -369,7 +376,8 @@ def extract(
         fail(f"{path}: {error}")
     how = {
         "engine": engine, "model": str(loaded.path), "kind": result.kind,
-        "decoding": "greedy, KV cache" if engine == "ar" else "LLaDA reference schedule, 1 token per forward",
+        "decoding": "greedy, KV cache" if engine == "ar" else
+                    "the engine's fast default: confidence-threshold commits, dual cache, blocks of 32",
         "prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
         "forwards": result.forwards, "tokens_per_forward": round(result.tokens_per_forward, 2),
         "seconds": round(result.seconds, 3), "schema_valid": result.schema_valid,

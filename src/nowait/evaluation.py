@@ -233,7 +233,8 @@ class Extraction:
 
 
 def extract(model: Transformer, codec: TextCodec, document: str, kind: str | None = None) -> Extraction:
-    """Extract one document's JSON with the model's own decoder (AR or diffusion)."""
+    """Extract one document's JSON as the engines serve it: greedy AR with the KV cache, or the
+    diffusion engine's fast default (free-form)."""
     if not document.strip():
         raise ValueError("the document is empty")
     kind = kind or guess_kind(document)
@@ -245,7 +246,15 @@ def extract(model: Transformer, codec: TextCodec, document: str, kind: str | Non
         raise ValueError(f"the document is {len(prompt)} tokens; this model reads at most {limit}")
     stats: dict = {}
     started = time.perf_counter()
-    ids = decode_prompts(model, codec, [prompt], stats=stats)[0]
+    if model.config.causal:
+        ids = decode_prompts(model, codec, [prompt], stats=stats)[0]
+    else:
+        from nowait.engines.base import GenerationRequest, SamplingParams
+        from nowait.engines.diffusion_engine import DiffusionEngine
+
+        [completion] = DiffusionEngine(model, codec).generate(
+            [GenerationRequest(prompt, SamplingParams(max_tokens=ANSWER_WINDOW))])
+        ids, stats["forwards"] = completion.token_ids, completion.forwards
     seconds = time.perf_counter() - started
     text = codec.decode(ids)
     value = parse_json_object(text)

@@ -122,7 +122,7 @@ def batching(
     max_tokens: int = typer.Option(None, help="output tokens at most per request (default: 160 free-form, 512 "
                                               "with --structured, the eval's budgets)"),
     max_num_batched_tokens: int = typer.Option(4096, help="token positions per forward, padding included"),
-    threads: int = typer.Option(None, help="CPU threads (default: torch's choice)"),
+    threads: int = typer.Option(None, min=1, help="CPU threads (default: torch's choice)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Output tokens/s with continuous batching vs the same requests one at a time."""

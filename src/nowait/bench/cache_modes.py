@@ -65,7 +65,7 @@ def cache_modes(
     n: int = typer.Option(100, help="test documents, each decoded once per configuration at batch size 1"),
     split: str = typer.Option("test", help="validation or test"),
     model: str = typer.Option("diffusion", help="diffusion checkpoint directory (default: the bundled model)"),
-    threads: int = typer.Option(None, help="CPU threads (default: torch's choice)"),
+    threads: int = typer.Option(None, min=1, help="CPU threads (default: torch's choice)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Accuracy, forwards and latency of each diffusion cache mode, taking turns on each document;

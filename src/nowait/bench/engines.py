@@ -276,7 +276,7 @@ def engines(
     draft_model: str = typer.Option(None, help="draft checkpoint directory, for entries that use one"),
     only: str = typer.Option(None, help="comma-separated entries to run (default: "
                                         + ", ".join(DEFAULT_ENTRIES) + ")"),
-    threads: int = typer.Option(None, help="CPU threads (default: torch's choice)"),
+    threads: int = typer.Option(None, min=1, help="CPU threads (default: torch's choice)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Latency, forwards and accuracy of AR and the diffusion configurations, same documents.

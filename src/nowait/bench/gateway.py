@@ -214,7 +214,7 @@ def gateway(
     requests: int = typer.Option(200, help="sequential requests for the added-latency percentiles"),
     clients: int = typer.Option(200, help="concurrent streaming clients"),
     max_tokens: int = typer.Option(16, help="output tokens per request"),
-    threads: int = typer.Option(None, help="torch CPU threads"),
+    threads: int = typer.Option(None, min=1, help="torch CPU threads"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Gateway overhead over the in-process engine (p50/p99) and N concurrent streaming clients."""

@@ -179,7 +179,7 @@ def load(
     max_requests: int = typer.Option(None, help="per run: stop issuing after this many requests (batch: lines)"),
     max_seconds: float = typer.Option(None, help="per run: stop issuing after this many seconds"),
     request_timeout: float = typer.Option(120.0, help="seconds per request"),
-    threads: int = typer.Option(None, help="torch CPU threads for --engine"),
+    threads: int = typer.Option(None, min=1, help="torch CPU threads for --engine"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     report: Path = typer.Option(None, "--report", help="directory for report.html, load.json and PNG plots"),
     profile_out: Path = typer.Option(None, "--profile-out", help="write the planner profile (nowait plan --profile)"),

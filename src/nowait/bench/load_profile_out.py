@@ -200,8 +200,8 @@ def build_profile(results: list[RunResult], kind_of: Callable[[str], str | None]
             runs = _diffusion_runs(answered, engine)
             if not runs:
                 continue
-            alone = result.spec.mode == "synchronous"
-            counted = [planner_forwards(f, alone) for _, _, f, _ in runs]
+            one_at_a_time = result.spec.mode == "synchronous"
+            counted = [planner_forwards(f, one_at_a_time) for _, _, f, _ in runs]
             measurements.append(Measurement(
                 engine="diffusion", batch=_concurrency([r for r, *_ in runs], duration),
                 new_tokens=max(1, round(float(np.mean([t for *_, t in runs])))),

@@ -126,7 +126,7 @@ def physics(
     budget: float = typer.Option(1.0, help="seconds of timing per case (best run kept)"),
     host_budget: float = typer.Option(3.0, help="seconds to measure the matmul peak and memory bandwidth"),
     report: Path = typer.Option(None, help="directory for roofline.png and physics.json"),
-    threads: int = typer.Option(None, help="CPU threads (default: torch's choice)"),
+    threads: int = typer.Option(None, min=1, help="CPU threads (default: torch's choice)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Achieved FLOP/s and arithmetic intensity of AR decode (batch 1 and 64) and of a diffusion

@@ -26,7 +26,7 @@ def demo(
     models: Path = typer.Option(None, "--models", help="a directory with ar/, draft/ and diffusion/ checkpoints "
                                                        "instead of the bundled models"),
     out: Path = typer.Option(Path("nowait-demo"), "--out", help="where the report goes"),
-    threads: int = typer.Option(None, help="torch CPU threads for the engines"),
+    threads: int = typer.Option(None, min=1, help="torch CPU threads for the engines"),
     live: bool = typer.Option(True, "--live/--no-live", help="the live view (off: a status line every 10 s)"),
 ) -> None:
     """Serve the demo models and replay a mixed workload through the gateway: the routing rule at work.

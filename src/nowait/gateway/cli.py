@@ -20,22 +20,29 @@ def serve(
     config: Path = typer.Option(None, "--config", "-c", help="nowait.yaml (default: the bundled demo models)"),
     host: str = typer.Option(None, help="address to listen on (default: the config's, 127.0.0.1)"),
     port: int = typer.Option(None, help="port (default: the config's, 8000)"),
-    threads: int = typer.Option(None, help="torch CPU threads (default: the config's, else torch's choice)"),
+    threads: int = typer.Option(None, min=1, help="torch CPU threads (default: the config's, else torch's choice)"),
     log_level: str = typer.Option("info", help="uvicorn log level"),
 ) -> None:
     """Serve the OpenAI-compatible gateway (chat, completions, batches, metrics)."""
     import uvicorn
+    from pydantic import ValidationError
 
     from nowait.gateway.app import create_app
-    from nowait.gateway.config import ConfigError, default_config, load_config
+    from nowait.gateway.config import ConfigError, ServerConfig, default_config, load_config
 
     try:
         settings = load_config(config) if config is not None else default_config()
+        overrides = {k: v for k, v in {"host": host, "port": port, "torch_threads": threads}.items() if v is not None}
+        # Validated as a config file's values are (a copy with updates would take --port 70000).
+        server = ServerConfig.model_validate({**settings.server.model_dump(), **overrides})
     except ConfigError as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(code=2) from None
-    server = settings.server.model_copy(update={k: v for k, v in {"host": host, "port": port,
-                                                                  "torch_threads": threads}.items() if v is not None})
+    except ValidationError as error:
+        first = error.errors()[0]
+        typer.echo(f"error: --{'threads' if first['loc'][0] == 'torch_threads' else first['loc'][0]}: "
+                   f"{first['msg']}", err=True)
+        raise typer.Exit(code=2) from None
     settings = settings.model_copy(update={"server": server})
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     if not settings.auth.keys() and not _is_loopback(server.host):

@@ -206,13 +206,21 @@ class BatchConfig(Strict):
     data_class: DataClass | None = Field(None, description="for lines that state none (default: defaults.data_class)")
 
 
+DEFAULT_ENGINES: dict[str, EngineSpec] = {
+    "ar": ArEngineConfig(kind="ar", model="ar"),
+    "spec": SpecEngineConfig(kind="spec", model="ar", draft="draft"),  # the best method, tuned
+    "diffusion": DiffusionEngineConfig(kind="diffusion", model="diffusion"),
+}
+
+
 class GatewayConfig(Strict):
     server: ServerConfig = ServerConfig()
     auth: AuthConfig = AuthConfig()
     data_dir: Path = Field(Path("nowait-data"), description="where the batch store and the audit log live")
     audit_log: Path | None = Field(None, description="JSONL audit log (default DATA_DIR/audit.jsonl)")
     metrics_window_s: float = Field(60.0, gt=0, description="window of the live utilization and cost gauges")
-    engines: dict[str, EngineSpec] = Field(min_length=1)
+    # A file without `engines` serves the bundled demo models (`default_config`'s).
+    engines: dict[str, EngineSpec] = Field(default_factory=lambda: dict(DEFAULT_ENGINES), min_length=1)
     routing: RoutingConfig = RoutingConfig()
     defaults: RequestDefaults = RequestDefaults()
     batches: BatchConfig = BatchConfig()
@@ -286,11 +294,7 @@ class GatewayConfig(Strict):
 
 def default_config() -> GatewayConfig:
     """No file: the bundled demo models, `ar` for batches and fallback, `diffusion` for fast work."""
-    return GatewayConfig(engines={
-        "ar": ArEngineConfig(kind="ar", model="ar"),
-        "spec": SpecEngineConfig(kind="spec", model="ar", draft="draft"),  # the best method, tuned
-        "diffusion": DiffusionEngineConfig(kind="diffusion", model="diffusion"),
-    })
+    return GatewayConfig()
 
 
 def _field_path(loc: tuple, data: Any) -> str:

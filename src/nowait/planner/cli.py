@@ -116,7 +116,7 @@ def register(app: typer.Typer) -> None:
         profile: Path = typer.Option(None, "--profile", help="measured step times (format in docs/planner.md)"),
         measure_host: bool = typer.Option(False, "--measure-host",
                                           help="measure this machine (a few seconds); usable as node 'host'"),
-        measure_seconds: float = typer.Option(3.0, "--measure-seconds", help="time budget of --measure-host"),
+        measure_seconds: float = typer.Option(3.0, "--measure-seconds", min=0.2, help="time budget of --measure-host"),
         check: Path = typer.Option(None, "--check", help="a `bench load --json` output: compare each engine's "
                                                          "predicted batch-1 latency with its synchronous run"),
     ) -> None:
