@@ -11,7 +11,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from nowait.demo.plan import BATCH, COMPARISON, LOANS, REALTIME, ROUTES, DemoPlan, poisson_times, schedule
+from nowait.demo.plan import BATCH, COMPARISON, LOANS, PAIRED, REALTIME, ROUTES, DemoPlan, poisson_times, schedule
 from nowait.demo.runner import judge
 from nowait.demo.scoreboard import Scoreboard
 from tests.load_support import cli_app, save_corpus_models
@@ -119,12 +119,13 @@ def test_scoreboard_comparison_and_live_view_on_hand_made_answers():
     from nowait.demo.gauges import EngineGauges, Snapshot, parse_metrics
     from nowait.demo.view import live_view
 
-    def answer(route, engine, e2e, fallback=False):
+    def answer(route, engine, e2e, fallback=False, paired=True):
         attempts = (EngineRun("diffusion", 0.1, 10, 10, forwards=4),) if route == REALTIME else ()
         if fallback:
             attempts += (EngineRun("ar", 0.3, 10, 10, forwards=10),)
+        label = route + (PAIRED if route == REALTIME and paired else "")
         return RequestRecord(route, 0.0, e2e, engine=engine, fallback=fallback, cost_usd=1e-3, output_tokens=10,
-                             attempts=attempts, rule="fast" if route == REALTIME else "pinned")
+                             attempts=attempts, rule="fast" if route == REALTIME else "pinned", label=label)
 
     board = Scoreboard()
     engines = {"ar": EngineGauges("ar", kind="ar"), "diffusion": EngineGauges("diffusion", kind="diffusion")}
@@ -141,11 +142,12 @@ def test_scoreboard_comparison_and_live_view_on_hand_made_answers():
     board.add(REALTIME, answer(REALTIME, "ar", 0.5, fallback=True))
     for e2e in (0.4, 0.45):
         board.add(COMPARISON, answer(COMPARISON, "ar", e2e))
+    board.add(REALTIME, answer(REALTIME, "diffusion", 0.9, paired=False))  # not pinned: not in the comparison
     stats = board.route_stats(REALTIME)
-    assert stats.fallback_rate == 0.25 and stats.engines == {"diffusion": 3, "ar": 1}
+    assert stats.fallback_rate == 0.2 and stats.engines == {"diffusion": 4, "ar": 1}
     c = board.comparison()
     assert c["fast_available"] and c["routed_to"] == "diffusion" and c["kept_p50_ms"] == pytest.approx(120)
-    assert c["speedup"] == pytest.approx(425 / 130)
+    assert c["speedup"] == pytest.approx(425 / 130) and c["forms"] == 2
     console = Console(record=True, width=160)
     console.print(live_view(board, DemoPlan(duration_s=10)))
     screen = console.export_text()

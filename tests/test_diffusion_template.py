@@ -117,6 +117,8 @@ def test_template_output_parses_and_validates_for_every_schema(engine, codec, sc
         assert completion.finish_reason == "stop"
         assert len(completion.token_confidences) == len(completion.token_ids)
         assert 0.0 <= completion.confidence <= 1.0
+        # Usage counts the answer as the tokenizer writes it, not the template's separately tokenized pieces.
+        assert completion.completion_tokens == len(codec.encode(completion.text))
 
 
 def test_template_fixed_text_is_untouched_and_only_slots_are_generated(engine, codec):

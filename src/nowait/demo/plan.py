@@ -26,6 +26,7 @@ import numpy as np
 from nowait.bench.load_workload import DEFAULT_MAX_TOKENS, LoadRequest, RoutingMetadata, corpus_documents
 
 REALTIME, COMPARISON, BATCH, LOANS = "realtime", "realtime_on_ar", "batch", "loans"
+PAIRED = "/paired"  # label suffix of the real-time arrivals whose form is also pinned to AR
 ROUTE_TITLES = {
     REALTIME: "real-time KYC",
     COMPARISON: "same KYC, pinned to AR",
@@ -64,6 +65,11 @@ class Arrival:
     route: str
     model: str
     request: LoadRequest
+    paired: bool = False  # a real-time form also sent pinned to AR: the comparison's own set
+
+    @property
+    def label(self) -> str:
+        return self.route + (PAIRED if self.paired else "")
 
 
 def realtime_metadata(plan: DemoPlan) -> RoutingMetadata:
@@ -96,8 +102,9 @@ def schedule(plan: DemoPlan, router_model: str, ar_model: str) -> tuple[list[Arr
     meta = realtime_metadata(plan)
     for index, at in enumerate(times):
         request = LoadRequest(kyc[index % len(kyc)], plan.max_tokens, True, meta)
-        arrivals.append(Arrival(at, REALTIME, router_model, request))
-        if plan.compare_every and index % plan.compare_every == 0:
+        paired = bool(plan.compare_every) and index % plan.compare_every == 0
+        arrivals.append(Arrival(at, REALTIME, router_model, request, paired))
+        if paired:
             # The same form, the same metadata, the same moment: only the engine differs.
             arrivals.append(Arrival(at, COMPARISON, ar_model, request))
     for index in range(plan.loans):

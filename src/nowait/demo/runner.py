@@ -70,7 +70,10 @@ def judge(board: Scoreboard, interrupted: bool) -> list[str]:
                         + (f" ({batch.error})" if batch.error else ""))
     if not problems:
         total = sum(s.answered for s in board.all_stats())
-        return [f"ok: {total} requests answered with zero errors; the batch completed"]
+        if not total and not batch.lines:
+            return ["ok, but nothing was sent: every rate and size was 0"]
+        return [f"ok: {total} requests answered with zero errors"
+                + ("; the batch completed" if batch.lines else "; no batch was submitted")]
     return problems
 
 

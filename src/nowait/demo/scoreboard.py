@@ -4,7 +4,8 @@ Written only from the demo's event loop (no locks). Per route: requests sent and
 errors, p50/p99 end-to-end latency as the client saw it, the engines that answered and by which
 rule, the fallback rate (answers the gateway re-ran on AR), field accuracy against the ground
 truth and the mean cost per request from the gateway's ledger (`nowait.cost_usd`). The batch's
-lines have no client-side latency of their own; its row shows the batch's wall time instead.
+lines have no client-side latency of their own: their percentiles are None and the batch's wall
+time is `BatchState.wall_s`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 
 from nowait.bench.load_metrics import RequestRecord, accuracy, percentile
 from nowait.demo.gauges import Snapshot
-from nowait.demo.plan import BATCH, COMPARISON, REALTIME, ROUTES
+from nowait.demo.plan import BATCH, COMPARISON, PAIRED, REALTIME, ROUTES
 
 
 @dataclass
@@ -79,15 +80,17 @@ class Scoreboard:
         latest = self.latest
         return {name for name, g in latest.engines.items() if g.kind == "diffusion"} if latest else set()
 
-    def route_stats(self, route: str) -> RouteStats:
-        records = self.records[route]
+    def route_stats(self, route: str, records: list[RequestRecord] | None = None) -> RouteStats:
+        """The figures of a route (or of `records`, a subset of its records)."""
+        subset = records is not None
+        records = self.records[route] if records is None else records
         ok = [r for r in records if r.ok]
         latencies = [r.e2e_s * 1000 for r in ok]
-        sent, answered, errors = self.sent[route], len(ok), len(records) - len(ok)
+        sent, answered, errors = len(records) if subset else self.sent[route], len(ok), len(records) - len(ok)
         if route == BATCH:
-            # Until the output file is read, the batch's own counts are all there is.
-            wall = self.batch.wall_s
-            latencies = [wall * 1000] if wall is not None else []
+            # The lines have no latency of their own (the batch's wall time is `BatchState.wall_s`);
+            # until the output file is read, the batch's own counts are all there is.
+            latencies = []
             sent = self.batch.lines if self.batch.batch_id else 0
             if not records:
                 answered, errors = self.batch.completed, self.batch.failed
@@ -116,21 +119,25 @@ class Scoreboard:
 
     def comparison(self) -> dict | None:
         """The real-time route as served against the same forms pinned to AR (None until both
-        have answers). `fast_available`: a diffusion engine could serve; when it could not, both
-        rows ran on AR and the comparison says so."""
-        routed, pinned = self.route_stats(REALTIME), self.route_stats(COMPARISON)
+        have answers): the routed figures cover the forms that were also pinned (`PAIRED`), so
+        both sides are the same documents. `fast_available`: a diffusion engine could serve;
+        when it could not, both rows ran on AR and the comparison says so."""
+        paired = [r for r in self.records[REALTIME] if r.label.endswith(PAIRED)]
+        routed, pinned = self.route_stats(REALTIME, paired), self.route_stats(COMPARISON)
         if routed.p50_ms is None or pinned.p50_ms is None:
             return None
         latest = self.latest
         fast = {n for n, g in latest.engines.items() if g.kind == "diffusion" and g.available} if latest else set()
-        first = Counter(r.attempts[0].engine for r in self.records[REALTIME] if r.ok and r.attempts)
+        first = Counter(r.attempts[0].engine for r in paired if r.ok and r.attempts)
         # The answers the fast engine kept (no re-run): what diffusion itself delivers, apart
         # from the fallbacks' AR time that the route's p50 also carries.
-        kept = [r.e2e_s * 1000 for r in self.records[REALTIME] if r.ok and not r.fallback and r.attempts
+        kept = [r.e2e_s * 1000 for r in paired if r.ok and not r.fallback and r.attempts
                 and r.attempts[0].engine in fast]
         return {"fast_available": bool(fast), "routed_to": first.most_common(1)[0][0] if first else None,
                 "answered_by": routed.engine_text, "fallback_rate": routed.fallback_rate,
                 "routed_p50_ms": routed.p50_ms, "kept_p50_ms": percentile(kept, 50),
                 "ar_engine": pinned.engine_text, "ar_p50_ms": pinned.p50_ms,
                 "speedup": pinned.p50_ms / routed.p50_ms if routed.p50_ms else None,
-                "routed_usd_per_request": routed.usd_per_request, "ar_usd_per_request": pinned.usd_per_request}
+                "routed_usd_per_request": routed.usd_per_request, "ar_usd_per_request": pinned.usd_per_request,
+                "forms": min(routed.answered, pinned.answered), "routed_field_accuracy": routed.field_accuracy,
+                "ar_field_accuracy": pinned.field_accuracy}

@@ -71,12 +71,14 @@ class DemoTraffic:
                 break
             board.sent[arrival.route] += 1
             task = asyncio.ensure_future(complete_chat(client, self.base_url, arrival.request, arrival.model, self.t0,
-                                                       REQUEST_TIMEOUT_S, label=arrival.route))
+                                                       REQUEST_TIMEOUT_S, label=arrival.label))
             in_flight[task] = arrival.route
             task.add_done_callback(answered)
         while in_flight and not stop.is_set() and time.perf_counter() < self.drain_deadline:
             await asyncio.wait(set(in_flight), timeout=0.2)
         for task, route in list(in_flight.items()):
+            if task.done():  # answered at the deadline: its done callback records it
+                continue
             task.cancel()
             if not stop.is_set():  # still unanswered after the drain: the demo failed to serve it
                 board.add(route, RequestRecord(target=route, sent_s=0.0, done_s=self.now(), status=0,

@@ -101,8 +101,9 @@ def comparison_sentence(c: dict | None) -> tuple[str, str]:
         kept = f", p50 {c['kept_p50_ms']:.0f} ms for the answers it kept" if c.get("kept_p50_ms") is not None else ""
         served += f"; {fell_back:.0%} re-ran on AR{kept}"
     speedup = c["speedup"] or 0.0
-    return (f"real-time KYC p50: {c['routed_p50_ms']:.0f} ms ({served}) vs {c['ar_p50_ms']:.0f} ms pinned to "
-            f"{c['ar_engine']}: {speedup:.1f}x{cost}", "bold green" if speedup > 1 else "bold red")
+    forms = f" on the {c['forms']} forms sent both ways" if c.get("forms") else ""
+    return (f"real-time KYC p50{forms}: {c['routed_p50_ms']:.0f} ms ({served}) vs {c['ar_p50_ms']:.0f} ms pinned "
+            f"to {c['ar_engine']}: {speedup:.1f}x{cost}", "bold green" if speedup > 1 else "bold red")
 
 
 def comparison_text(board: Scoreboard) -> Text:

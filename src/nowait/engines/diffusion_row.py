@@ -397,6 +397,7 @@ class RowState:
             finish_reason=self.finish_reason or "error", prompt_tokens=self.prompt_length,
             token_confidences=token_confidences, confidence=min(deciding, default=1.0),
             confidence_kind="min_token_probability", forwards=self.forwards,
+            text_tokens=None if template is None else len(codec.encode(text)),
             timings=Timings(queued_s=self.admitted_at - arrival, first_token_s=self.first_text_at - arrival,
                             total_s=self.finished_at - arrival),
         )
