@@ -211,6 +211,9 @@ async def stream_chat(client: httpx.AsyncClient, base_url: str, request: LoadReq
     return record
 
 
+CANCEL_GRACE_S = 30.0  # after cancelling a batch, how long its running lines are waited for
+
+
 class BatchClient:
     """The OpenAI Batch API over httpx: one JSONL file in, one batch, its output and error files out."""
 
@@ -247,15 +250,20 @@ class BatchClient:
     async def wait(self, batch_id: str, deadline: float, poll_s: float = 0.5, stop: asyncio.Event | None = None,
                    on_poll: Callable[[dict], None] | None = None) -> dict:
         """Poll until the batch ends, `deadline` (perf_counter) passes or `stop` is set; a batch
-        still running then is cancelled (its answered lines are kept) and polled to its end."""
+        still running then is cancelled (its answered lines are kept) and polled to its end, for
+        at most CANCEL_GRACE_S more: a cancel waits for the lines already running, and the
+        caller's time is bounded whatever the server does (the batch is returned as it stands)."""
         batch = await self.retrieve(batch_id)
-        cancelled = False
+        cancelled_at: float | None = None
         while batch["status"] not in TERMINAL_BATCH_STATUSES:
             if on_poll is not None:
                 on_poll(batch)
-            if not cancelled and (time.perf_counter() > deadline or (stop is not None and stop.is_set())):
+            now = time.perf_counter()
+            if cancelled_at is None and (now > deadline or (stop is not None and stop.is_set())):
                 await self.cancel(batch_id)
-                cancelled = True
+                cancelled_at = now
+            elif cancelled_at is not None and now - cancelled_at > CANCEL_GRACE_S:
+                break
             await asyncio.sleep(poll_s)
             batch = await self.retrieve(batch_id)
         if on_poll is not None:
