@@ -241,7 +241,7 @@ def test_wrong_shape_is_named(tmp_path):
     ({"architectures": ["MistralForCausalLM"]}, "unsupported architecture 'MistralForCausalLM'"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}}, "RoPE scaling 'yarn'"),
     ({"hidden_act": "gelu"}, "activation 'gelu'"),
-    ({"use_sliding_window": True}, "sliding-window attention"),
+    ({"use_sliding_window": True, "max_window_layers": 0, "layer_types": None}, "sliding-window attention"),
 ])
 def test_unsupported_configs_are_refused_by_name(ar_checkpoints, tmp_path, change, message):
     source, _ = ar_checkpoints["qwen2"]
@@ -253,6 +253,20 @@ def test_unsupported_configs_are_refused_by_name(ar_checkpoints, tmp_path, chang
     (directory / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(CheckpointError, match=message):
         load_pretrained(directory)
+
+
+def test_a_sliding_window_that_covers_no_layer_loads(ar_checkpoints, tmp_path):
+    """Qwen2 slides from layer `max_window_layers` on; at or past the layer count every layer is
+    full attention, as transformers computes it, so the checkpoint loads and matches."""
+    source, reference = ar_checkpoints["qwen2"]
+    directory = copy_of(source, tmp_path / "no-sliding-layer")
+    config = json.loads((directory / "config.json").read_text())
+    config.pop("layer_types", None)
+    (directory / "config.json").write_text(json.dumps(
+        {**config, "use_sliding_window": True, "max_window_layers": config["num_hidden_layers"]}))
+    ids = sample_ids(9, seed=9)
+    with torch.no_grad():
+        assert_close(load_pretrained(directory).model(ids), causal_logits(reference, ids), **TOLERANCE)
 
 
 def test_llada_sequential_block_is_refused(tmp_path):

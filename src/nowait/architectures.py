@@ -83,6 +83,18 @@ def llama_shape(hf: dict) -> ModelConfig:
     )
 
 
+def _has_sliding_layers(hf: dict) -> bool:
+    """Whether any layer attends through a sliding window, as transformers decides it: by
+    `layer_types` when given, else Qwen2's rule (with `use_sliding_window`, the layers from
+    `max_window_layers` on slide; a value at or past the layer count leaves every layer full)."""
+    if hf.get("layer_types"):
+        return "sliding_attention" in hf["layer_types"]
+    if not hf.get("use_sliding_window"):
+        return False
+    window_from = hf.get("max_window_layers")
+    return window_from is None or window_from < hf.get("num_hidden_layers", 0)
+
+
 def _llama_config(hf: dict) -> ModelConfig:
     _check_activation(hf.get("hidden_act", "silu"))
     if hf.get("mlp_bias"):
@@ -91,7 +103,7 @@ def _llama_config(hf: dict) -> ModelConfig:
     # section) use the key for q/k/v only, and the Transformer has no o_proj bias.
     if hf.get("attention_bias") and hf.get("nowait") is None and hf.get("model_type") != "qwen2":
         raise _refuse("attention_bias on a Llama checkpoint (an o_proj bias)")
-    if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or []):
+    if _has_sliding_layers(hf):
         raise _refuse("sliding-window attention")
     config = llama_shape(hf)
     config.rope_theta, config.rope_scaling = _rope(hf)
