@@ -59,6 +59,15 @@ def test_an_unreachable_target_sends_every_answer_back():
     choice = choose_threshold(answers((0.7, 5, 10), (0.6, 6, 10)), target_field_accuracy=0.99)
     assert not choice.reached and choice.acceptance_rate == 0.0
     assert all(a.confidence < choice.threshold for a in answers((0.7, 5, 10), (0.6, 6, 10)))
+    # Even answers the model was certain of go back when the target is out of reach.
+    certain = choose_threshold(answers((1.0, 5, 10), (0.6, 6, 10)), target_field_accuracy=0.99)
+    assert not certain.reached and certain.threshold > 1.0
+
+
+def test_the_written_threshold_never_moves_past_an_answer_it_accepted():
+    """Floored to six places: rounding up could drop the answer that set the cut."""
+    choice = choose_threshold(answers((0.9999996, 10, 10), (0.5, 0, 10)), target_field_accuracy=1.0)
+    assert choice.reached and choice.threshold <= 0.9999996
     with pytest.raises(ValueError):
         choose_threshold([], 0.9)
 
@@ -91,7 +100,8 @@ def test_calibrate_refuses_bad_arguments(tmp_path, codec):
     models = save_tiny_models(tmp_path, codec)
     runner = CliRunner()
     for args, message in ((["--target", "1.5"], "--target"), (["--split", "train"], "unknown split"),
-                          (["--model", models["ar"]], "cannot run"), (["--n", "0"], "at least 1")):
+                          (["--model", models["ar"]], "cannot run"), (["--n", "0"], "at least 1"),
+                          (["--split", "test"], "--no-write")):
         result = runner.invoke(app, ["calibrate", "--model", models["diffusion"], "--ar-model", models["ar"], *args])
         assert result.exit_code != 0 and message in result.output, (args, result.output)
     assert calibrated_threshold(tmp_path / "diffusion") is None

@@ -80,3 +80,58 @@ def test_only_a_speculative_engine_turns_the_draft_into_ids(codec, kind):
     request = backend.generation_request(with_draft)
     assert request.draft_ids == (codec.encode(with_draft.draft_text) if kind == "spec" else None)
     assert backend.generation_request(call("engine")).draft_ids is None
+
+
+class FailingBackend(RecordingBackend):
+    def __init__(self, name: str, error) -> None:
+        super().__init__(name, "", None)
+        self.error = error
+
+    async def run(self, call: Call, timeout_s: float) -> Attempt:
+        self.calls.append(call)
+        raise self.error
+
+
+@pytest.mark.parametrize(("status", "code", "falls_back"), [
+    (500, "engine_error", True), (429, "rate_limit_exceeded", True), (503, "engine_unavailable", True),
+    (504, "timeout", False)])
+def test_a_fast_engine_that_cannot_answer_hands_over_to_its_fallback(tmp_path, status, code, falls_back):
+    """A client asked for an answer, not for an engine: a failing, full or missing fast engine
+    re-runs on the fallback engine; a timeout does not (its time is already spent)."""
+    from nowait.gateway.errors import APIError
+
+    fast = FailingBackend("diffusion", APIError(status, "simulated", code=code))
+    slow = RecordingBackend("ar", '{"name": "Ann Lee"}', None)
+    policy = RoutingPolicy(confidence_threshold=0.9, fallback_engine="ar")
+    dispatcher = Dispatcher({"diffusion": fast, "ar": slow}, policy, "nowait", GatewayMetrics(),
+                            AuditLog(tmp_path / "audit.jsonl"), timeout_s=5)
+    if falls_back:
+        outcome = asyncio.run(dispatcher.complete(call("nowait")))
+        assert outcome.final.engine == "ar" and outcome.fallback_cause == "engine_failure"
+    else:
+        with pytest.raises(APIError):
+            asyncio.run(dispatcher.complete(call("nowait")))
+        assert not slow.calls
+
+
+def test_the_stricter_data_class_of_header_and_body_holds():
+    from nowait.gateway.calls import metadata
+    from nowait.gateway.config import RequestDefaults
+    from nowait.gateway.schemas import NowaitRequestOptions
+
+    header = {"x-nowait-data-class": "restricted"}
+    assert metadata(NowaitRequestOptions(data_class="public"), header, RequestDefaults()).data_class \
+        == DataClass.restricted
+    assert metadata(NowaitRequestOptions(data_class="restricted"), {"x-nowait-data-class": "public"},
+                    RequestDefaults()).data_class == DataClass.restricted
+    assert metadata(NowaitRequestOptions(data_class="internal"), {}, RequestDefaults()).data_class \
+        == DataClass.internal
+
+
+def test_an_answer_a_strict_json_parser_rejects_does_not_conform():
+    from nowait.gateway.prompts import conforms
+
+    schema = {"type": "object", "properties": {"a": {"type": "number"}}}
+    assert conforms('{"a": 1.5}', schema)
+    assert not conforms('{"a": NaN}', schema) and not conforms('{"a": Infinity}', None)
+    assert not conforms('{"a": ', schema)

@@ -67,6 +67,7 @@ def test_threshold_is_inclusive_and_long_budgets_can_opt_into_batching():
 
 def test_confidence_fallback():
     assert should_fall_back(0.5, POLICY) and not should_fall_back(0.9, POLICY)
+    assert should_fall_back(float("nan"), POLICY)  # a half-precision overflow is not a sure answer
 
 
 def test_a_remote_engine_cannot_be_configured_to_receive_restricted_data():

@@ -14,6 +14,7 @@ gateway uses it when its config sets no threshold.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -74,15 +75,18 @@ def choose_threshold(answers: Sequence[ScoredAnswer], target_field_accuracy: flo
     if passing:
         threshold, acceptance, accepted_accuracy = min(passing, key=lambda point: point[0])
     else:
-        # Nothing passes at a threshold just above the surest answer (1.0 passes everything sure).
-        threshold, acceptance, accepted_accuracy = min(1.0, curve[0][0] + 1e-6), 0.0, None
+        # Nothing passes: a threshold above the surest answer keeps none, even one at 1.0.
+        # 1e-5 above: still above it once floored to the six places the file keeps.
+        threshold, acceptance, accepted_accuracy = curve[0][0] + 1e-5, 0.0, None
     routed = None
     if all(a.fallback_fields_correct is not None for a in answers):
         routed_correct = sum(a.fields_correct if a.confidence >= threshold else a.fallback_fields_correct
                              for a in answers)
         routed = _accuracy(routed_correct, sum(a.fields_total for a in answers))
     return ThresholdChoice(
-        threshold=round(threshold, 6), target_field_accuracy=target_field_accuracy, reached=bool(passing),
+        # Floored, not rounded: rounding up could move the cut past an answer the curve accepted.
+        threshold=math.floor(threshold * 1e6) / 1e6, target_field_accuracy=target_field_accuracy,
+        reached=bool(passing),
         acceptance_rate=acceptance, accepted_field_accuracy=accepted_accuracy,
         fast_field_accuracy=_accuracy(sum(a.fields_correct for a in answers), sum(a.fields_total for a in answers)),
         routed_field_accuracy=routed)

@@ -302,6 +302,10 @@ def calibrate(
 
     if split not in ("validation", "test"):
         fail(f"unknown split {split!r}; choose validation or test")
+    if split == "test" and write:
+        # The written threshold is what serving and the benchmarks then use: chosen on test
+        # documents, those documents would no longer be held out.
+        fail("--split test chooses a threshold on the documents the benchmarks score: add --no-write to look only")
     if n < 1 or batch_size < 1:
         fail("--n and --batch-size must be at least 1")
     if target is not None and not 0 < target <= 1:

@@ -58,8 +58,9 @@ class RoutingPolicy(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     high_value_usd_per_mtok: float = Field(5.0, ge=0, description="a token worth at least this is high value")
-    confidence_threshold: float = Field(DEFAULT_CONFIDENCE_THRESHOLD, ge=0, le=1,
-                                        description="diffusion answers below it re-run on AR")
+    confidence_threshold: float = Field(DEFAULT_CONFIDENCE_THRESHOLD, ge=0,
+                                        description="diffusion answers below it re-run on AR (above 1: every "
+                                                    "one, as a calibration that reached no target leaves it)")
     batchable_budget_ms: float | None = Field(
         None, gt=0, description="a latency budget at least this long can wait for a batch (None: only the flag)")
     owned_engines: tuple[str, ...] = ("ar", "spec", "diffusion")
@@ -145,8 +146,9 @@ def route(request: RouteRequest, policy: RoutingPolicy) -> Decision:
 
 
 def should_fall_back(confidence: float, policy: RoutingPolicy) -> bool:
-    """A diffusion answer below the threshold is re-run on the fallback engine (both runs are paid for)."""
-    return confidence < policy.confidence_threshold
+    """A diffusion answer below the threshold is re-run on the fallback engine (both runs are paid
+    for). A NaN confidence (a half-precision model's overflow) is not at or above it: re-run."""
+    return not confidence >= policy.confidence_threshold
 
 
 def check_destination(engine: str, data_class: DataClass, policy: RoutingPolicy) -> None:

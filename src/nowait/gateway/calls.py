@@ -57,8 +57,13 @@ def metadata(options: NowaitRequestOptions | None, headers: Mapping[str, str], d
     """The routing metadata of one request. Batch lines default to batchable (they are offline)."""
     given = {name: _header_value(name, header, headers[header]) for name, header in HEADERS.items()
              if header in headers}
+    stamped = given.get("data_class")
     if options is not None:
         given.update(options.model_dump(exclude_none=True))
+    if stamped is not None and "data_class" in given:
+        # A header (a proxy may stamp it) and the body may disagree: the stricter class holds,
+        # so a body can never loosen what the header says.
+        given["data_class"] = max(DataClass(stamped), DataClass(given["data_class"]), key=list(DataClass).index)
     return Metadata(
         latency_budget_ms=given.get("latency_budget_ms", defaults.latency_budget_ms),
         token_value_usd_per_mtok=given.get("token_value_usd_per_mtok", defaults.token_value_usd_per_mtok),

@@ -137,14 +137,21 @@ class Dispatcher:
     @staticmethod
     def _note_failure(outcome: Outcome, error: APIError, alternative: str) -> None:
         outcome.attempts.append(Attempt(engine=outcome.decision.engine, finish_reason="error", outcome=error.message))
-        outcome.fallback_cause = "upstream_failure" if isinstance(error, UpstreamFailure) else "schema_unsupported"
+        outcome.fallback_cause = ("upstream_failure" if isinstance(error, UpstreamFailure) else
+                                  "schema_unsupported" if error.code == SCHEMA_UNSUPPORTED else "engine_failure")
         outcome.reason += f"; {error.message}: re-ran on {alternative}"
 
     def _alternative(self, decision: Decision, error: APIError) -> str | None:
-        """Where to go when the first engine could not answer at all (not: answered badly)."""
+        """Where to go when the first engine could not answer at all (not: answered badly).
+
+        A fast engine that fails (500), is unavailable (503) or full (429) hands the request to
+        its fallback engine, as a low-confidence answer would be: the client asked for an
+        answer, not for that engine. A timeout (504) does not: the time is already spent."""
         if isinstance(error, UpstreamFailure) and decision.rule != "pinned":
             return failover(decision.engine, self.policy)
-        if error.code == SCHEMA_UNSUPPORTED and decision.fallback_engine is not None:
+        if decision.fallback_engine is None:
+            return None
+        if error.code == SCHEMA_UNSUPPORTED or error.status in (429, 500, 503):
             return decision.fallback_engine
         return None
 

@@ -86,9 +86,13 @@ def check_schema(schema: dict) -> None:
 
 
 def conforms(text: str, schema: dict | None) -> bool:
-    """Whether `text` is one JSON value valid for `schema` (used to judge a diffusion answer)."""
+    """Whether `text` is one JSON value valid for `schema` (used to judge a diffusion answer).
+    NaN and Infinity are refused: Python reads them, a client's strict JSON parser does not."""
+    def not_json(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_constant=not_json)
     except ValueError:
         return False
     if schema is None:
