@@ -140,6 +140,8 @@ class Sequence:
         admitted = self.admitted_time if self.admitted_time is not None else finish
         first = self.first_token_time if self.first_token_time is not None else finish
         confidences = list(self.token_confidences)
+        # Where the answer stops is a decision too (as the diffusion engine counts its end token).
+        deciding = confidences if self.stop_confidence is None else [*confidences, self.stop_confidence]
         return Completion(
             request_id=self.request.request_id or str(self.seq_id),
             engine=engine,
@@ -148,9 +150,7 @@ class Sequence:
             finish_reason=self.finish_reason or "error",
             prompt_tokens=len(self.prompt_ids),
             token_confidences=confidences,
-            # Where the answer stops is a decision too (as the diffusion engine counts its end token).
-            confidence=min([*confidences, *([] if self.stop_confidence is None else [self.stop_confidence])],
-                           default=1.0),
+            confidence=min(deciding, default=1.0),
             confidence_kind="min_token_probability",
             forwards=self.forwards,
             draft_tokens_proposed=self.draft_proposed,

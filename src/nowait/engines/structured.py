@@ -169,18 +169,6 @@ OBJECT_KEYWORDS = {"type", "properties", "required", "additionalProperties", "un
 JSON_TYPES = {"string", "number", "integer", "boolean", "null"}
 
 
-def _matches_type(value: object, json_type: str) -> bool:
-    if json_type == "null":
-        return value is None
-    if json_type == "boolean":
-        return isinstance(value, bool)
-    if json_type == "string":
-        return isinstance(value, str)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return False
-    return json_type == "number" or float(value).is_integer()
-
-
 def value_language(name: str, schema: dict, max_chars: int) -> Node:
     """The JSON texts a slot may hold for this property schema.
 
@@ -206,7 +194,7 @@ def value_language(name: str, schema: dict, max_chars: int) -> Node:
         # The other keywords (type, pattern, lengths, format) narrow the options, as a validator reads them.
         rest = {k: v for k, v in schema.items() if k not in ("enum", "const") and not k.startswith("x-")}
         checker = Draft202012Validator(rest, format_checker=Draft202012Validator.FORMAT_CHECKER)
-        options = [o for o in options if any(_matches_type(o, t) for t in types) and checker.is_valid(o)]
+        options = [o for o in options if checker.is_valid(o)]
         if not options:
             raise refuse("no enum option is valid for the property's other keywords")
         return alt(*(literal(json.dumps(o, ensure_ascii=False)) for o in options))

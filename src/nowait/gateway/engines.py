@@ -391,7 +391,6 @@ class OwnedBackend:
         self.name, self.kind, self.worker, self.codec = name, kind, worker, codec
         self.conventions = conventions
         self.max_model_len, self.capacity, self.max_queue = max_model_len, capacity, max_queue
-        self.admits = capacity + max_queue
         self.node_usd_per_hour = node_usd_per_hour
         self.default_max_tokens = default_max_tokens
         self.stats = worker.stats
@@ -453,6 +452,10 @@ class OwnedBackend:
             schema = None  # no template for "any object": decode free-form, the dispatcher checks the JSON
         draft = self.codec.encode(call.draft_text) if call.draft_text and self.kind == "spec" else None
         return GenerationRequest(ids, sampling, schema=schema, request_id=call.request_id, draft_ids=draft)
+
+    @property
+    def admits(self) -> int:
+        return self.capacity + self.max_queue
 
     def _reserve(self) -> None:
         if self.in_flight >= self.admits:

@@ -52,7 +52,10 @@ class RemoteBackend:
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
         self.in_flight = 0
-        self.admits = config.max_concurrency
+
+    @property
+    def admits(self) -> int:
+        return self.config.max_concurrency
 
     def may_receive(self, data_class: DataClass) -> bool:
         return self.allowed is None or self.allowed.may_receive(DataClass(data_class))
