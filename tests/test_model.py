@@ -113,6 +113,36 @@ def test_incremental_decode_rows_of_different_lengths(make_model, variant):
     check_incremental_decode(make_model(**CONFIG_VARIANTS[variant]), [9, 3, 6], steps=5, seed=4)
 
 
+@pytest.mark.parametrize("variant", ["gqa", "mqa"])
+def test_ragged_decode_writes_and_reads_like_the_scatter_path(make_model, variant):
+    """A decode step over rows of different lengths writes each new key with one flat copy
+    (`RaggedDecode`); a cache whose tensors are not contiguous takes the scatter path. Both
+    give the same logits and leave the same keys and values, slot for slot."""
+    model = make_model(**CONFIG_VARIANTS[variant])
+    generator = torch.Generator().manual_seed(11)
+    prompts = [random_ids(generator, n) for n in (6, 2, 9, 4)]
+    lengths = torch.tensor([len(p) for p in prompts])
+    nxt = random_ids(generator, 4, 3)
+    flat = KVCache(model.config, 4, 16)
+    strided = KVCache(model.config, 4, 16)
+    # Same shapes, storage laid out slot-major: every slice is a view, none contiguous.
+    strided.keys = [k.transpose(0, 2).contiguous().transpose(0, 2) for k in strided.keys]
+    strided.values = [v.transpose(0, 2).contiguous().transpose(0, 2) for v in strided.values]
+    assert not strided.keys[0].is_contiguous()
+    with torch.no_grad():
+        for cache in (flat, strided):
+            model(right_pad(prompts), cache, valid_lengths=lengths)
+        for step in range(3):
+            a = model(nxt[:, step: step + 1], flat)
+            b = model(nxt[:, step: step + 1], strided)
+            assert_close(a, b, atol=ATOL, rtol=0)
+    assert flat.lengths.tolist() == strided.lengths.tolist() == (lengths + 3).tolist()
+    for row, n in enumerate((lengths + 3).tolist()):
+        for layer in range(model.config.num_layers):
+            assert_close(flat.keys[layer][row, :, :n], strided.keys[layer][row, :, :n], atol=ATOL, rtol=0)
+            assert_close(flat.values[layer][row, :, :n], strided.values[layer][row, :, :n], atol=ATOL, rtol=0)
+
+
 def test_cache_select_keeps_rows(make_model):
     model = make_model()
     generator = torch.Generator().manual_seed(5)

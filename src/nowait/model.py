@@ -224,21 +224,53 @@ def isolated_prefix_attention(q: Tensor, k: Tensor, v: Tensor, pattern: Isolated
     return torch.cat([head, tail], dim=2)
 
 
-def grouped_decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+@dataclass(frozen=True)
+class RaggedDecode:
+    """One new token per row over rows of different lengths (a continuous-batching decode step),
+    laid out once per forward for every layer: `slots` [B * kv_heads], where each row's new key
+    goes in the cache flattened to [B * kv_heads * max_tokens, D]; `bias` [B * kv_heads, group, S],
+    0 on a row's valid keys and -inf past them (`group` query heads share a key head)."""
+
+    slots: Tensor
+    bias: Tensor
+
+
+def ragged_decode_layout(prefix: Tensor, valid_lengths: Tensor, kv_heads: int, group: int, max_tokens: int,
+                         key_slots: int, dtype: torch.dtype = torch.float32) -> RaggedDecode:
+    """`RaggedDecode` for rows holding `prefix[b]` cached tokens plus `valid_lengths[b]` (0 or 1)
+    new ones, their caches `max_tokens` slots long; the bias in the model's `dtype`."""
+    batch = prefix.shape[0]
+    heads = torch.arange(kv_heads, device=prefix.device)
+    slots = ((torch.arange(batch, device=prefix.device)[:, None] * kv_heads + heads) * max_tokens
+             + prefix[:, None]).flatten()
+    valid = torch.arange(key_slots, device=prefix.device)[None, :] < (prefix + valid_lengths)[:, None]  # [B, S]
+    bias = torch.zeros(valid.shape, dtype=dtype, device=prefix.device).masked_fill_(~valid, float("-inf"))
+    return RaggedDecode(slots, bias[:, None, None, :].expand(batch, kv_heads, group, key_slots)
+                        .reshape(batch * kv_heads, group, key_slots))
+
+
+def ragged_decode_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
     """One new token per row over its cached keys: q [B, 1, H, D], k and v [B, kv_heads, S, D]
-    (slices of the cache), mask [B, 1, 1, S] -> [B, 1, H, D].
+    (slices of the cache), bias [B * kv_heads, group, S] (`RaggedDecode`) -> [B, 1, H, D].
 
     The query heads that share a key head are stacked as rows of one matrix product, so the
-    cache is read where it lies; scaled_dot_product_attention with a mask and grouped heads
-    copies the keys and values per query head first, which at 64 rows was most of a step.
+    cache is read where it lies (scaled_dot_product_attention with a mask and grouped heads
+    copies the keys and values per query head first, which at 64 rows was most of a step),
+    and the mask, the scale and the product are one kernel (baddbmm): at 64 rows the step
+    reads the cache from memory, and every extra pass over the scores costs a visible share.
     """
     batch, _, heads, dim = q.shape
-    kv_heads = k.shape[1]
-    grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim)
-    scores = torch.matmul(grouped, k.transpose(-1, -2)) * dim**-0.5  # [B, kv_heads, group, S]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    out = torch.matmul(scores.softmax(-1), v)  # [B, kv_heads, group, D]
+    kv_heads, slots = k.shape[1], k.shape[2]
+    grouped = q.reshape(batch * kv_heads, heads // kv_heads, dim)
+    scores = torch.baddbmm(bias.to(q.dtype), grouped, k.reshape(batch * kv_heads, slots, dim).transpose(1, 2),
+                           alpha=dim**-0.5)
+    out = torch.bmm(scores.softmax(-1), v.reshape(batch * kv_heads, slots, dim))
     return out.reshape(batch, 1, heads, dim)
+
+
+# What a forward's attention follows, decided once for every layer: None (the config's default),
+# a boolean mask [B, 1, T, S] (True = may attend), CAUSAL_FROM_START, IsolatedPrefix, RaggedDecode.
+AttentionPattern = Tensor | str | IsolatedPrefix | RaggedDecode | None
 
 
 class Attention(nn.Module):
@@ -251,7 +283,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * hd, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.num_heads * hd, config.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, layer: int,
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: AttentionPattern, layer: int,
                 cache: KVCache | None, write_positions: Tensor | slice | None, key_slots: int) -> Tensor:
         batch, length, _ = x.shape
         c = self.config
@@ -262,7 +294,12 @@ class Attention(nn.Module):
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, kv_heads, L, D], the cache's layout
         if cache is not None:
             keys, values = cache.keys[layer], cache.values[layer]
-            if isinstance(write_positions, slice):  # one row: a contiguous write, no scatter
+            if isinstance(mask, RaggedDecode):  # one new key per row: one flat copy per tensor
+                dim = keys.shape[-1]
+                keys.view(-1, dim).index_copy_(0, mask.slots, k.reshape(-1, dim).to(keys.dtype))
+                values.view(-1, dim).index_copy_(0, mask.slots, v.reshape(-1, dim).to(values.dtype))
+                k, v = keys[:, :, :key_slots].to(q.dtype), values[:, :, :key_slots].to(q.dtype)
+            elif isinstance(write_positions, slice):  # one row: a contiguous write, no scatter
                 keys[:, :, write_positions] = k.to(keys.dtype)
                 values[:, :, write_positions] = v.to(values.dtype)
                 k, v = keys[:, :, :key_slots].to(q.dtype), values[:, :, :key_slots].to(q.dtype)
@@ -279,8 +316,13 @@ class Attention(nn.Module):
         if isinstance(mask, IsolatedPrefix):
             gqa = c.num_kv_heads != c.num_heads
             out = isolated_prefix_attention(q.transpose(1, 2), k, v, mask, gqa).transpose(1, 2)
-        elif length == 1 and mask is not None and not from_start:
-            out = grouped_decode_attention(q, k, v, mask)
+        elif isinstance(mask, RaggedDecode):
+            out = ragged_decode_attention(q, k, v, mask.bias)
+        elif length == 1 and mask is not None and not from_start:  # [B, 1, 1, S], True = may attend
+            group = c.num_heads // c.num_kv_heads
+            bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+            bias = bias.expand(batch, c.num_kv_heads, group, -1).reshape(batch * c.num_kv_heads, group, -1)
+            out = ragged_decode_attention(q, k, v, bias)
         else:
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k, v,
@@ -312,7 +354,7 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, layer: int,
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: AttentionPattern, layer: int,
                 cache: KVCache | None, write_positions: Tensor | slice | None, key_slots: int) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, layer, cache, write_positions, key_slots)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -391,7 +433,7 @@ class Transformer(nn.Module):
         return F.linear(self.norm(x), self.output_weight())
 
     def _cache_mask(self, cache: KVCache, length: int, valid_lengths: Tensor, write_cache: bool,
-                    padded: bool = True) -> tuple[Tensor | None, Tensor | slice | None, int]:
+                    padded: bool = True) -> tuple[AttentionPattern, Tensor | slice | None, int]:
         device = cache.lengths.device
         prefix = cache.lengths
         new_index = torch.arange(length, device=device)
@@ -413,6 +455,11 @@ class Transformer(nn.Module):
                 raise ValueError(f"KV cache holds {cache.max_tokens} tokens; this forward needs more")
             write_positions = prefix[:, None] + new_index
             key_slots = int((prefix + length).max())
+            if length == 1 and cache.keys[0].is_contiguous():
+                c = self.config
+                return (ragged_decode_layout(prefix, valid_lengths, c.num_kv_heads, c.num_heads // c.num_kv_heads,
+                                             cache.max_tokens, key_slots, self.embed_tokens.weight.dtype),
+                        write_positions, key_slots)
             if self.config.causal and key_slots == length and length > 1 and not bool(prefix.any()):
                 return CAUSAL_FROM_START, write_positions, key_slots
             slot = torch.arange(key_slots, device=device)
