@@ -12,7 +12,7 @@ from nowait.bench.ar_entries import (
     run_engine_eval,
     spec_entry,
 )
-from nowait.bench.batching import measure_batching
+from nowait.bench.batching import measure_batching, split_turns
 from nowait.engines.autoregressive import AutoregressiveEngine, EngineConfig
 from nowait.engines.speculative import IncompatibleDraftError
 from nowait.extraction.corpus import documents
@@ -104,6 +104,21 @@ def test_measure_batching_runs_a_diffusion_checkpoint_through_its_own_engine(cod
         assert r["batched_tokens_per_s"] > 0 and r["sequential_tokens_per_s"] > 0
         assert r["outputs_identical"]  # requests decoded together equal each one alone
         assert "decode_speedup" not in r  # the prefill/decode split is the AR engine's
+
+
+def test_batched_runs_take_turns_with_parts_of_the_sequential_run(codec, model):
+    results = measure_batching(model, codec, documents("test", 3), concurrency=(3,), max_tokens=4, rounds=2)
+    [r] = results
+    assert len(r["batched_runs_s"]) == 2 and r["outputs_identical"]
+    assert min(r["batched_runs_s"]) <= r["batched_s"] <= max(r["batched_runs_s"])
+    with pytest.raises(ValueError, match="rounds"):
+        measure_batching(model, codec, documents("test", 1), concurrency=(1,), max_tokens=4, rounds=0)
+
+
+def test_split_turns_covers_every_request_once_in_order():
+    assert split_turns(7, 3) == [range(0, 2), range(2, 4), range(4, 7)]
+    assert split_turns(1, 3) == [range(0, 0), range(0, 0), range(0, 1)]
+    assert [i for part in split_turns(64, 3) for i in part] == list(range(64))
 
 
 def test_measure_batching_refuses_structured_ar(codec, model):

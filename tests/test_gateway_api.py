@@ -44,6 +44,19 @@ def test_chat_completion_answers_with_route_and_cost(server):
     assert info["cost_usd"] > 0  # compute seconds x $36/h
 
 
+def test_usage_counts_the_prompt_tokens_served_from_the_prefix_cache(server):
+    """Two requests that share a long instruction: the second one's prefill starts after the
+    shared blocks, and usage says so as OpenAI does (prompt_tokens_details.cached_tokens)."""
+    instruction = KYC_INSTRUCTION + " Keep every field exactly as the form writes it." * 3
+    answers = [server.client().chat.completions.create(
+        model="ar", max_tokens=4, messages=[{"role": "system", "content": instruction},
+                                            {"role": "user", "content": f"Name: {name}"}])
+        for name in ("Ann Lee", "Bo Chan")]
+    cached = [a.usage.prompt_tokens_details.cached_tokens for a in answers]
+    assert cached[1] >= 16 and cached[1] < answers[1].usage.prompt_tokens
+    assert cached[1] % 16 == 0  # whole blocks
+
+
 def test_chat_messages_fold_into_the_trained_prompt(server):
     """System instruction + pasted document become one user turn, as the demo models were trained."""
     backend = server.gateway.backends["ar"]

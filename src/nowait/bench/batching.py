@@ -52,11 +52,23 @@ def _engine(model: Transformer, codec: TextCodec, prompts: list[list[int]], conc
     return AutoregressiveEngine(model, codec, config)
 
 
+def split_turns(n: int, rounds: int) -> list[range]:
+    """Indices 0..n-1 in `rounds` consecutive, nearly equal parts (empty ones when n < rounds)."""
+    cuts = [n * r // rounds for r in range(rounds + 1)]
+    return [range(cuts[r], cuts[r + 1]) for r in range(rounds)]
+
+
 def measure_batching(model: Transformer, codec: TextCodec, docs: list[Document],
                      concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, max_tokens: int = ANSWER_TOKENS,
-                     max_num_batched_tokens: int = 4096, structured: bool = False) -> list[dict]:
+                     max_num_batched_tokens: int = 4096, structured: bool = False, rounds: int = 3) -> list[dict]:
     """One result per concurrency: batched and sequential output tokens/s, identical outputs.
-    `structured` (diffusion): each request fills its kind's schema template."""
+    `structured` (diffusion): each request fills its kind's schema template.
+
+    The two runs take turns, `rounds` times: the batch, then a part of the one-at-a-time run,
+    then the batch again, and so on. A shared machine's load changes over seconds, and the batch
+    lasts a tenth as long as the one-at-a-time run; one batch timed before it would catch one
+    moment of that load against the other's average. The batch's time is the median of its
+    runs, the one-at-a-time time the sum of its parts."""
     from nowait.extraction.corpus import schema_for
     from nowait.tokenizer import extraction_prompt
 
@@ -64,6 +76,8 @@ def measure_batching(model: Transformer, codec: TextCodec, docs: list[Document],
         raise ValueError(f"concurrency {max(concurrency)} needs at least that many documents, got {len(docs)}")
     if structured and model.config.causal:
         raise ValueError("--structured applies to a diffusion model (AR batching is measured free-form)")
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
     prompts = [codec.encode(extraction_prompt(d.kind, d.text)) for d in docs]
     schemas = [schema_for(d.kind) if structured else None for d in docs]
     engine = _engine(model, codec, prompts, concurrency, max_tokens, max_num_batched_tokens)
@@ -75,19 +89,27 @@ def measure_batching(model: Transformer, codec: TextCodec, docs: list[Document],
     warm = max(concurrency)
     engine.generate(_requests(prompts[:warm], max_tokens if diffusion else 4, schemas[:warm]))
     phases = getattr(engine, "step_seconds", None)  # AR: forward time by step kind
+
+    def timed(requests: list) -> tuple[list, float, dict]:
+        before = dict(phases or {})
+        started = time.perf_counter()
+        completions = engine.generate(requests)
+        return completions, time.perf_counter() - started, {k: phases[k] - before[k] for k in before}
+
     results = []
     for c in concurrency:
-        before = dict(phases or {})
-        started = time.perf_counter()
-        batched = engine.generate(_requests(prompts[:c], max_tokens, schemas[:c]))
-        batched_s = time.perf_counter() - started
-        batched_phases = {k: phases[k] - before[k] for k in before}
-        before = dict(phases or {})
-        started = time.perf_counter()
-        sequential = [engine.generate(_requests([p], max_tokens, [schema]))[0]
-                      for p, schema in zip(prompts[:c], schemas[:c], strict=True)]
-        sequential_s = time.perf_counter() - started
-        sequential_phases = {k: phases[k] - before[k] for k in before}
+        batched_runs: list[tuple[list, float, dict]] = []
+        sequential: list = []
+        sequential_s = 0.0
+        sequential_phases = dict.fromkeys(phases or {}, 0.0)
+        for part in split_turns(c, rounds):
+            batched_runs.append(timed(_requests(prompts[:c], max_tokens, schemas[:c])))
+            for i in part:
+                [completion], seconds, spent = timed(_requests([prompts[i]], max_tokens, [schemas[i]]))
+                sequential.append(completion)
+                sequential_s += seconds
+                sequential_phases = {k: sequential_phases[k] + spent[k] for k in sequential_phases}
+        batched, batched_s, batched_phases = sorted(batched_runs, key=lambda run: run[1])[len(batched_runs) // 2]
         tokens = sum(x.completion_tokens for x in batched)
         # Prefill is compute-bound already for one prompt, so batching cannot shrink it; the decode
         # phase is where batching pays, and its own ratio shows how much.
@@ -96,10 +118,12 @@ def measure_batching(model: Transformer, codec: TextCodec, docs: list[Document],
             "batched_tokens_per_s": round(tokens / batched_s, 1),
             "sequential_tokens_per_s": round(sum(x.completion_tokens for x in sequential) / sequential_s, 1),
             "speedup": round(sequential_s / batched_s, 2),
-            "outputs_identical": all(a.token_ids == b.token_ids for a, b in zip(batched, sequential, strict=True)),
+            "outputs_identical": all(a.token_ids == b.token_ids for run, _, _ in batched_runs
+                                     for a, b in zip(run, sequential, strict=True)),
             "output_tokens": tokens,
             "batched_s": round(batched_s, 3),
             "sequential_s": round(sequential_s, 3),
+            "batched_runs_s": [round(seconds, 3) for _, seconds, _ in batched_runs],
         }
         if phases is not None:
             result.update({
@@ -122,6 +146,8 @@ def batching(
     max_tokens: int = typer.Option(None, help="output tokens at most per request (default: 160 free-form, 512 "
                                               "with --structured, the eval's budgets)"),
     max_num_batched_tokens: int = typer.Option(4096, help="token positions per forward, padding included"),
+    rounds: int = typer.Option(3, min=1, help="batched runs per concurrency, taking turns with parts of the "
+                                              "one-at-a-time run (the median is reported)"),
     threads: int = typer.Option(None, min=1, help="CPU threads (default: torch's choice)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
@@ -154,7 +180,7 @@ def batching(
     docs = documents("test", max(levels))
     try:
         results = measure_batching(loaded.model, loaded.codec, docs, levels, max_tokens, max_num_batched_tokens,
-                                   structured)
+                                   structured, rounds)
     except ValueError as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(code=2) from None
@@ -162,7 +188,7 @@ def batching(
     if as_json:
         print(json.dumps({"results": results, "settings": {"model": str(loaded.path), "engine": engine,
                                                            "structured": structured, "max_tokens": max_tokens,
-                                                           "threads": torch.get_num_threads()}}))
+                                                           "rounds": rounds, "threads": torch.get_num_threads()}}))
         return
     for r in results:
         phases = (f"; decode phase {r['decode_speedup']}x, prefill {r['prefill_s']['sequential']:.2f} s of "

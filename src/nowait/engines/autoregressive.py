@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from nowait.engines.base import Completion, GenerationRequest, InvalidRequestError, StreamChunk
+from nowait.engines.prefix_cache import PrefixCache
 from nowait.engines.runner import CachePool, ModelRunner
 from nowait.engines.sampling import SamplingBatch, choose_tokens, mask_logits, token_probability
 from nowait.engines.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -90,12 +91,17 @@ class EngineConfig:
 
     `max_model_len`: prompt + output tokens one sequence may hold (default: the model's
     `max_position`); each cache row is sized for it, so memory is rows x max_model_len.
+    `prefix_cache_tokens`: prompt tokens whose keys/values the prefix cache keeps for later
+    prompts that start alike (`nowait.engines.prefix_cache`); default an eighth of the rows'
+    tokens, 0 turns it off. `prefix_block_size`: the unit of sharing, in tokens.
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     max_model_len: int | None = None
     max_waiting: int | None = None
+    prefix_cache_tokens: int | None = None
+    prefix_block_size: int = 16
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_waiting)
@@ -133,12 +139,23 @@ class AutoregressiveEngine:
         self.pool = CachePool(self._cached_models(), self.config.max_num_seqs,
                               self.max_model_len + self._lookahead())
         self.runner = ModelRunner(model, self.pool, 0, pad_id=self.end_id)
+        self.prefix_cache = self._prefix_cache()
         self.vocab_size = model.config.vocab_size
         self.steps = {"prefill": 0, "decode": 0}
         self.step_seconds = {"prefill": 0.0, "decode": 0.0}  # wall time of the forwards, by kind
         self._next_seq_id = 0
         self._completed: dict[int, Completion] = {}
         self._seed_source = random.Random()
+
+    def _prefix_cache(self) -> PrefixCache | None:
+        """The target model's prefix cache, sized by the config (None when turned off)."""
+        block = self.config.prefix_block_size
+        tokens = self.config.prefix_cache_tokens
+        if tokens is None:
+            tokens = self.pool.rows * self.pool.max_tokens // 8
+        if block < 1 or tokens < 0:
+            raise ValueError(f"prefix_block_size must be >= 1 and prefix_cache_tokens >= 0, got {block} and {tokens}")
+        return PrefixCache(self.pool.caches[0], tokens // block, block) if tokens >= block else None
 
     # --- hooks the speculative engine overrides ---
 
@@ -249,13 +266,21 @@ class AutoregressiveEngine:
             if seq.row < 0:
                 self.pool.allocate(seq)
                 seq.admitted_time = now
+                if self.prefix_cache is not None:
+                    # The chunk the scheduler sized now starts after the restored blocks: the
+                    # same tokens budget or less, never more.
+                    seq.num_cached = seq.cached_prompt_tokens = self.prefix_cache.restore(
+                        seq.prompt_ids, self.pool.caches[0], seq.row)
         starts = [s.num_cached for s in batch.seqs]
         chunks = [s.prompt_ids[start: start + n] for s, start, n in zip(batch.seqs, starts, batch.chunks, strict=True)]
         logits = self.runner.extend(batch.seqs, starts, chunks)
-        for seq, n in zip(batch.seqs, batch.chunks, strict=True):
-            seq.num_cached += n
+        for seq, chunk in zip(batch.seqs, chunks, strict=True):
+            seq.num_cached += len(chunk)
             seq.forwards += 1
         done = [i for i, s in enumerate(batch.seqs) if not s.is_prefilling]
+        if self.prefix_cache is not None:
+            for i in done:
+                self.prefix_cache.store(batch.seqs[i].prompt_ids, self.pool.caches[0], batch.seqs[i].row)
         if done:
             self._sample_and_append([batch.seqs[i] for i in done], logits[done])
 

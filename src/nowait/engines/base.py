@@ -86,6 +86,7 @@ class Completion:
     text: str
     finish_reason: FinishReason
     prompt_tokens: int
+    cached_prompt_tokens: int = 0  # of prompt_tokens, restored from a prefix cache instead of computed
     token_confidences: list[float] = field(default_factory=list)
     confidence: float = 1.0
     confidence_kind: str = "min_token_probability"

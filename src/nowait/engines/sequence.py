@@ -48,6 +48,7 @@ class Sequence:
         self.token_confidences: list[float] = []
         self.stop_confidence: float | None = None  # the probability of the stop token, when one ended it
         self.num_cached = 0
+        self.cached_prompt_tokens = 0  # prompt tokens restored from the prefix cache, not computed
         self.row = -1  # cache row while RUNNING
         self.forwards = 0
         self.draft_forwards = 0
@@ -149,6 +150,7 @@ class Sequence:
             text=text,
             finish_reason=self.finish_reason or "error",
             prompt_tokens=len(self.prompt_ids),
+            cached_prompt_tokens=self.cached_prompt_tokens,
             token_confidences=confidences,
             confidence=min(deciding, default=1.0),
             confidence_kind="min_token_probability",

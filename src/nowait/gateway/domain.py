@@ -74,6 +74,7 @@ class Attempt:
     text: str = ""
     finish_reason: str = "stop"
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of prompt_tokens, served from a prefix cache
     completion_tokens: int = 0
     confidence: float | None = None
     seconds: float = 0.0  # wall time, submission to answer

@@ -487,6 +487,7 @@ class OwnedBackend:
         self.stats.record_request(t.total_s)
         return Attempt(engine=self.name, text=completion.text, finish_reason=completion.finish_reason,
                        prompt_tokens=completion.prompt_tokens, completion_tokens=completion.completion_tokens,
+                       cached_prompt_tokens=completion.cached_prompt_tokens,
                        confidence=completion.confidence, seconds=t.total_s, queued_s=t.queued_s,
                        first_token_s=t.first_token_s if completion.completion_tokens else None,
                        compute_s=ticket.compute_s, forwards=completion.forwards,

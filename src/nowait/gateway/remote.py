@@ -113,13 +113,15 @@ class RemoteBackend:
                  first_token_s: float | None, chunks: int = 0) -> Attempt:
         usage = usage or {}
         prompt = int(usage.get("prompt_tokens") or 0)
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         completion = int(usage.get("completion_tokens") or chunks)  # no usage: count the chunks
         cost = remote_cost_usd(prompt, completion, self.config.input_usd_per_mtok, self.config.output_usd_per_mtok)
         seconds = time.perf_counter() - started
         self.stats.record(busy_s=seconds, tokens=completion, spend_usd=cost)
         self.stats.record_request(seconds)
         return Attempt(engine=self.name, text=text, finish_reason=finish_reason or "stop", prompt_tokens=prompt,
-                       completion_tokens=completion, confidence=None, seconds=seconds, first_token_s=first_token_s,
+                       cached_prompt_tokens=cached, completion_tokens=completion, confidence=None, seconds=seconds,
+                       first_token_s=first_token_s,
                        cost_usd=cost)
 
     @staticmethod

@@ -20,6 +20,7 @@ from nowait.gateway.schemas import (
     CompletionChoice,
     EngineAttempt,
     NowaitInfo,
+    PromptTokensDetails,
     TextCompletion,
     Usage,
 )
@@ -48,8 +49,10 @@ def usage(outcomes: list[Outcome], prompts: int = 1) -> Usage:
     """Output tokens of every choice; prompt tokens once per prompt (choices share their prompt)."""
     per_prompt = max(1, len(outcomes) // max(1, prompts))
     prompt = sum(o.final.prompt_tokens for o in outcomes[::per_prompt])
+    cached = sum(o.final.cached_prompt_tokens for o in outcomes[::per_prompt])
     completion = sum(o.final.completion_tokens for o in outcomes)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def chat_completion(response_id: str, model: str, outcomes: list[Outcome]) -> ChatCompletion:

@@ -109,10 +109,15 @@ class CompletionRequest(SamplingRequest):
 # --- responses ---
 
 
+class PromptTokensDetails(OpenAIObject):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache instead of computed
+
+
 class Usage(OpenAIObject):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class EngineAttempt(OpenAIObject):

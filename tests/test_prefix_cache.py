@@ -1,0 +1,130 @@
+"""Automatic prefix caching: exact block matches, what is restored, eviction, and the engine's
+outputs with and without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from nowait.engines.autoregressive import AutoregressiveEngine, EngineConfig
+from nowait.engines.base import GenerationRequest, SamplingParams
+from nowait.engines.prefix_cache import PrefixCache
+from nowait.model import KVCache
+from tests.conftest import build_model
+
+END = 0
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(0)
+
+
+def prefilled(model, prompt: list[int], rows: int = 2) -> KVCache:
+    cache = KVCache(model.config, rows, 64)
+    with torch.no_grad():
+        model(torch.tensor([prompt]), cache.view(0, 1))
+    cache.lengths[0] = len(prompt)
+    return cache
+
+
+def test_restore_copies_the_stored_blocks_a_prompt_starts_with(model):
+    prompt = list(range(1, 12))  # 11 tokens: two full blocks of 4, three left over
+    cache = prefilled(model, prompt)
+    store = PrefixCache(cache, capacity_blocks=8, block_size=BLOCK)
+    store.store(prompt, cache, 0)
+    assert len(store.slots) == 2
+    other = [*prompt[:9], 50, 51]  # shares the first two blocks and one more token
+    assert store.restore(other, cache, 1) == 8
+    assert int(cache.lengths[1]) == 8
+    for layer in range(model.config.num_layers):
+        assert_close(cache.keys[layer][1, :, :8], cache.keys[layer][0, :, :8], atol=0, rtol=0)
+        assert_close(cache.values[layer][1, :, :8], cache.values[layer][0, :, :8], atol=0, rtol=0)
+    assert store.stats.hit_tokens == 8 and store.stats.query_tokens == 11
+
+
+def test_a_block_matches_only_after_the_same_blocks(model):
+    prompt = list(range(1, 12))
+    cache = prefilled(model, prompt)
+    store = PrefixCache(cache, capacity_blocks=8, block_size=BLOCK)
+    store.store(prompt, cache, 0)
+    shifted = [60, 61, 62, 63, *prompt[4:]]  # the second block's tokens, after another first block
+    assert store.restore(shifted, cache, 1) == 0
+    assert int(cache.lengths[1]) == 0
+
+
+def test_one_prompt_token_is_always_left_to_compute(model):
+    prompt = list(range(1, 9))  # exactly two blocks
+    cache = prefilled(model, prompt)
+    store = PrefixCache(cache, capacity_blocks=8, block_size=BLOCK)
+    store.store(prompt, cache, 0)
+    assert store.restore(prompt, cache, 1) == 4  # the last token's logits choose the first output
+
+
+def test_the_least_recently_used_blocks_go_first_and_a_prefix_outlives_its_continuations(model):
+    first = list(range(1, 10))
+    second = list(range(20, 29))
+    cache = prefilled(model, first)
+    store = PrefixCache(cache, capacity_blocks=3, block_size=BLOCK)
+    store.store(first, cache, 0)  # A1, A2; A1 touched last
+    other = prefilled(model, second)
+    store.store(second, other, 0)  # B1 takes the free slot; B2 evicts the least recent, A2
+    assert len(store.slots) == 3
+    assert store.restore([*first[:4], 99, 98], cache, 1) == 4  # A1 kept: a prefix outlives A2
+    assert store.restore(first, cache, 1) == 4  # A2 gone
+    assert store.restore(second, cache, 1) == 8  # B1, B2
+    for layer in range(model.config.num_layers):  # B2 landed in A2's slot: its own keys/values
+        assert_close(cache.keys[layer][1, :, :8], other.keys[layer][0, :, :8], atol=0, rtol=0)
+        assert_close(cache.values[layer][1, :, :8], other.values[layer][0, :, :8], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="capacity_blocks"):
+        PrefixCache(cache, capacity_blocks=0)
+
+
+def engine(model, **config) -> AutoregressiveEngine:
+    return AutoregressiveEngine(model, end_id=END, config=EngineConfig(**{"max_num_seqs": 4,
+                                                                          "max_num_batched_tokens": 48,
+                                                                          "prefix_block_size": BLOCK, **config}))
+
+
+def shared_prefix_prompts(count: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    system = torch.randint(1, 64, (13,), generator=g).tolist()
+    return [system + torch.randint(1, 64, (int(n),), generator=g).tolist()
+            for n in torch.randint(1, 9, (count,), generator=g)]
+
+
+def test_engine_outputs_are_the_same_with_and_without_the_prefix_cache(model):
+    ids = shared_prefix_prompts(6)
+
+    def run(e: AutoregressiveEngine) -> list:
+        first = e.generate([GenerationRequest(ids[0], SamplingParams(max_tokens=12))])
+        return first + e.generate([GenerationRequest(p, SamplingParams(max_tokens=12)) for p in ids[1:]])
+
+    cached, plain = run(engine(model)), run(engine(model, prefix_cache_tokens=0))
+    assert [c.token_ids for c in cached] == [c.token_ids for c in plain]
+    assert cached[0].cached_prompt_tokens == 0  # nothing stored yet
+    assert all(c.cached_prompt_tokens == 12 for c in cached[1:])  # 13 shared tokens: three blocks of 4
+    assert all(c.cached_prompt_tokens == 0 for c in plain)
+    assert all(c.forwards == p.forwards for c, p in zip(cached, plain, strict=True))
+
+
+def test_engine_prefix_cache_settings_are_checked(model):
+    assert engine(model, prefix_cache_tokens=0).prefix_cache is None
+    assert engine(model, prefix_cache_tokens=64).prefix_cache.capacity_blocks == 16
+    with pytest.raises(ValueError, match="prefix_block_size"):
+        engine(model, prefix_block_size=0)
+
+
+def test_a_store_smaller_than_the_prompt_keeps_what_fits_and_never_matches_a_broken_chain(model):
+    prompt = list(range(1, 20))  # four full blocks
+    cache = prefilled(model, prompt)
+    store = PrefixCache(cache, capacity_blocks=2, block_size=BLOCK)
+    store.store(prompt, cache, 0)
+    assert len(store.slots) == 2
+    assert store.restore(prompt, cache, 1) == 0  # the first blocks went: nothing starts the chain
+    store.store(prompt[:9], cache, 0)  # the two first blocks again
+    assert store.restore(prompt, cache, 1) == 8
+    for layer in range(model.config.num_layers):
+        assert_close(cache.keys[layer][1, :, :8], cache.keys[layer][0, :, :8], atol=0, rtol=0)
