@@ -72,6 +72,12 @@ def test_spec_engines_load_their_draft_and_refuse_one_with_another_tokenizer(tmp
         "causal-drafter": {**ar, "draft": models["draft"], "method": "diffusion"},
     }, "routing": {"fast_engine": None}})
     backends = build_backends(config)
+    assert backends["ar"].worker.engine.prefix_cache is not None  # on by default
+    assert backends["spec"].worker.engine.prefix_cache is not None
+    off = build_backends(parse_config({"engines": {"ar": {"kind": "ar", "model": models["ar"], "max_num_seqs": 2,
+                                                          "prefix_cache_tokens": 0}},
+                                       "routing": {"fast_engine": None}}))
+    assert off["ar"].worker.engine.prefix_cache is None
     for name in ("spec", "spec-draft", "lookup"):
         assert backends[name].available, backends[name].unavailable_reason
     hybrid = backends["spec"].worker.engine
@@ -121,6 +127,7 @@ def test_the_example_config_is_valid_and_resolves_paths_next_to_it():
 @pytest.mark.parametrize("data, message", [
     ({"engines": {"ar": {"kind": "ar", "max_num_seqs": 0}}}, "engines.ar.max_num_seqs: Input should be greater"),
     ({"engines": {"ar": {"kind": "ar", "speed": 3}}}, "engines.ar.speed: Extra inputs are not permitted"),
+    ({"engines": {"ar": {"kind": "ar", "prefix_cache_tokens": -1}}}, "engines.ar.prefix_cache_tokens: Input should"),
     ({"engines": {"ar": {"kind": "gpu"}}}, "engines.ar: Input tag 'gpu'"),
     ({"engines": {"ar": {"kind": "ar"}, "api": {"kind": "remote", "base_url": "https://x/v1", "model": "m",
                                                  "input_usd_per_mtok": 1, "output_usd_per_mtok": 2,

@@ -647,7 +647,7 @@ def build_owned(name: str, spec: ArEngineConfig | SpecEngineConfig | DiffusionEn
                                 spec.max_batch, spec.max_queue, spec.node_usd_per_hour, default_max_tokens,
                                 conventions=loaded.conventions)
         config = EngineConfig(max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
-                              max_model_len=spec.max_model_len)
+                              max_model_len=spec.max_model_len, prefix_cache_tokens=spec.prefix_cache_tokens)
         grammar = _grammar(loaded) if spec.structured else None
         if isinstance(spec, SpecEngineConfig):
             engine = _speculative_engine(spec, loaded, cache, config, grammar)
