@@ -143,6 +143,21 @@ def test_ragged_decode_writes_and_reads_like_the_scatter_path(make_model, varian
             assert_close(flat.values[layer][row, :, :n], strided.values[layer][row, :, :n], atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inference_reuses_intermediates_in_place_with_the_same_numbers(make_model, dtype):
+    """Without gradients the norms, rotary and MLP write into their own fresh intermediates;
+    the logits are those of the out-of-place form autograd uses, bit for bit."""
+    model = make_model(num_kv_heads=2).to(dtype)
+    ids = random_ids(torch.Generator().manual_seed(12), 2, 9)
+    with torch.no_grad():
+        inference = model(ids)
+    training = model(ids)
+    assert training.requires_grad
+    assert torch.equal(inference, training.detach())
+    training.float().sum().backward()  # and autograd still works through the training form
+    assert model.layers[0].mlp.gate_proj.weight.grad is not None
+
+
 def test_cache_select_keeps_rows(make_model):
     model = make_model()
     generator = torch.Generator().manual_seed(5)
