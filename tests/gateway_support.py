@@ -92,7 +92,8 @@ class FakeUpstream:
             if self.fail_with is not None:
                 return JSONResponse({"error": {"message": "upstream down", "type": "server_error"}},
                                     status_code=self.fail_with)
-            usage = {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14}
+            usage = {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14,
+                     "prompt_tokens_details": {"cached_tokens": 8}}
             if body.get("stream"):
                 def events():
                     for piece in ("from ", "the ", "frontier"):

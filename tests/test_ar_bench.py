@@ -115,6 +115,15 @@ def test_batched_runs_take_turns_with_parts_of_the_sequential_run(codec, model):
         measure_batching(model, codec, documents("test", 1), concurrency=(1,), max_tokens=4, rounds=0)
 
 
+def test_the_batching_bench_measures_prefill_without_the_prefix_cache(codec, model):
+    """The batch and the one-at-a-time run send the same prompts: with a prefix cache each would
+    restore the other's prompts whole."""
+    from nowait.bench.batching import _engine
+
+    engine = _engine(model, codec, [[1, 2, 3]], (1, 4), max_tokens=4, max_num_batched_tokens=64)
+    assert engine.prefix_cache is None
+
+
 def test_split_turns_covers_every_request_once_in_order():
     assert split_turns(7, 3) == [range(0, 2), range(2, 4), range(4, 7)]
     assert split_turns(1, 3) == [range(0, 0), range(0, 0), range(0, 1)]

@@ -55,6 +55,9 @@ def test_usage_counts_the_prompt_tokens_served_from_the_prefix_cache(server):
     cached = [a.usage.prompt_tokens_details.cached_tokens for a in answers]
     assert cached[1] >= 16 and cached[1] < answers[1].usage.prompt_tokens
     assert cached[1] % 16 == 0  # whole blocks
+    metrics = httpx.get(f"{server.base_url}/metrics").text
+    hits = [line for line in metrics.splitlines() if line.startswith('nowait:prefix_cache_hits_total{engine="ar"}')]
+    assert hits and float(hits[0].split()[-1]) >= cached[1]
 
 
 def test_chat_messages_fold_into_the_trained_prompt(server):

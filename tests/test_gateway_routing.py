@@ -64,6 +64,13 @@ def test_high_value_internal_goes_to_the_remote_frontier(server, upstream):
     assert API_KEY not in sent["headers"].get("authorization", "")  # so does the client's key
 
 
+def test_a_remote_upstreams_cached_prompt_tokens_reach_the_client(server, upstream):
+    completion = server.client().chat.completions.create(
+        model="frontier-api", messages=MESSAGES, max_tokens=6, extra_body={"nowait": {"data_class": "internal"}})
+    assert completion.usage.prompt_tokens == 11
+    assert completion.usage.prompt_tokens_details.cached_tokens == 8  # as the upstream reported
+
+
 def test_high_value_restricted_stays_on_the_owned_frontier(server, upstream):
     before = len(upstream.received)
     route, info = ask(server, headers={"x-nowait-token-value": "20", "x-nowait-data-class": "restricted"})

@@ -158,6 +158,25 @@ def test_inference_reuses_intermediates_in_place_with_the_same_numbers(make_mode
     assert model.layers[0].mlp.gate_proj.weight.grad is not None
 
 
+def test_ragged_decode_with_a_padding_row_and_a_view_of_later_rows(make_model):
+    """A decode step over a view of rows 1-3 of a cache, one of them padding (valid length 0):
+    the real rows' logits equal their own full forwards, and the padding row's length stays."""
+    model = make_model()
+    generator = torch.Generator().manual_seed(13)
+    prompts = [random_ids(generator, n) for n in (5, 3, 7)]
+    nxt = random_ids(generator, 3, 1)
+    cache = KVCache(model.config, 4, 12)
+    view = cache.view(1, 3)
+    with torch.no_grad():
+        model(right_pad(prompts), view, valid_lengths=torch.tensor([5, 3, 7]))
+        logits = model(nxt, view, valid_lengths=torch.tensor([1, 0, 1]))[:, 0]
+        assert view.lengths.tolist() == [6, 3, 8]
+        for row in (0, 2):
+            full = model(torch.cat([prompts[row], nxt[row]])[None])[0, -1]
+            assert_close(logits[row], full, atol=ATOL, rtol=0)
+    assert int(cache.lengths[0]) == 0 and all(float(k[0].abs().max()) == 0 for k in cache.keys)  # row 0 untouched
+
+
 def test_cache_select_keeps_rows(make_model):
     model = make_model()
     generator = torch.Generator().manual_seed(5)

@@ -46,9 +46,11 @@ def _engine(model: Transformer, codec: TextCodec, prompts: list[list[int]], conc
 
     # Rows sized for these requests, not for the model's longest context: memory is rows x length.
     max_model_len = min(model.config.max_position, max(len(p) for p in prompts) + max_tokens + 1)
+    # No prefix cache: the batch and the one-at-a-time run send the same prompts, again and again
+    # across the turns, so each would restore the other's prompts whole, which no workload does.
     config = EngineConfig(max_num_seqs=max(concurrency), max_num_batched_tokens=max(max_num_batched_tokens,
                                                                                      max(concurrency)),
-                          max_model_len=max_model_len)
+                          max_model_len=max_model_len, prefix_cache_tokens=0)
     return AutoregressiveEngine(model, codec, config)
 
 

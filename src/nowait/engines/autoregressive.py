@@ -93,7 +93,7 @@ class EngineConfig:
     `max_position`); each cache row is sized for it, so memory is rows x max_model_len.
     `prefix_cache_tokens`: prompt tokens whose keys/values the prefix cache keeps for later
     prompts that start alike (`nowait.engines.prefix_cache`); default an eighth of the rows'
-    tokens, 0 turns it off. `prefix_block_size`: the unit of sharing, in tokens.
+    tokens and at least one row's, 0 turns it off. `prefix_block_size`: the unit of sharing.
     """
 
     max_num_seqs: int = 64
@@ -151,8 +151,8 @@ class AutoregressiveEngine:
         """The target model's prefix cache, sized by the config (None when turned off)."""
         block = self.config.prefix_block_size
         tokens = self.config.prefix_cache_tokens
-        if tokens is None:
-            tokens = self.pool.rows * self.pool.max_tokens // 8
+        if tokens is None:  # an eighth of the rows, and at least one row's worth
+            tokens = max(self.pool.rows * self.pool.max_tokens // 8, self.pool.max_tokens)
         if block < 1 or tokens < 0:
             raise ValueError(f"prefix_block_size must be >= 1 and prefix_cache_tokens >= 0, got {block} and {tokens}")
         return PrefixCache(self.pool.caches[0], tokens // block, block) if tokens >= block else None

@@ -16,24 +16,12 @@ prompt's blocks are touched last-first, so a prefix outlives its continuations.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 
 from nowait.model import KVCache
 
 BlockKey = tuple[int, tuple[int, ...]]  # (parent block's id, or -1 at the start; the block's tokens)
-
-
-@dataclass
-class PrefixStats:
-    queries: int = 0  # prompts looked up
-    hit_tokens: int = 0  # prompt tokens restored instead of computed
-    query_tokens: int = 0  # prompt tokens of the prompts looked up
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
 class PrefixCache:
@@ -53,7 +41,7 @@ class PrefixCache:
         self.slots: OrderedDict[BlockKey, int] = OrderedDict()  # least recently used first
         self._ids: dict[int, int] = {}  # slot -> id of the block it holds (ids are never reused)
         self._next_id = 0
-        self.stats = PrefixStats()
+        self._fresh = 0  # slots [0, _fresh) have held a block
 
     def _match(self, tokens: list[int], limit: int) -> list[tuple[BlockKey, int]]:
         """(key, slot) of the stored blocks `tokens` starts with, at most `limit` tokens' worth."""
@@ -73,8 +61,6 @@ class PrefixCache:
         how many tokens they hold. At least one prompt token is always left to compute: its
         logits choose the first output token."""
         found = self._match(prompt, len(prompt) - 1)
-        self.stats.queries += 1
-        self.stats.query_tokens += len(prompt)
         if not found:
             return 0
         for key, _ in reversed(found):  # the first block most recent: a prefix outlives its continuations
@@ -86,38 +72,34 @@ class PrefixCache:
                 # [blocks, kv, block, D] -> [kv, blocks * block, D]: the row's first n slots.
                 rows[layer][row, :, :n] = blocks[index].transpose(0, 1).reshape(rows[layer].shape[1], n, -1)
         cache.lengths[row] = n
-        self.stats.hit_tokens += n
         return n
 
     def store(self, prompt: list[int], cache: KVCache, row: int) -> None:
-        """Keep the full blocks of `prompt` that row `row` of `cache` holds and the store lacks."""
-        held = min(len(prompt), int(cache.lengths[row]))
+        """Keep the full blocks of `prompt` that row `row` of `cache` holds and the store lacks,
+        as many as the store holds from the start: the first blocks are the ones prompts share,
+        and a chain without them can never be matched."""
+        held = min(len(prompt), int(cache.lengths[row]), self.capacity_blocks * self.block_size)
         parent = -1
         touched: list[BlockKey] = []
-        new_slots: list[int] = []
-        new_starts: list[int] = []
+        new_blocks: list[tuple[BlockKey, int, int]] = []  # key, slot, start
         for start in range(0, held - self.block_size + 1, self.block_size):
             key = (parent, tuple(prompt[start: start + self.block_size]))
             slot = self.slots.get(key)
             if slot is None:
-                slot = self._free_slot()
+                slot = self._free_slot(protect=touched)
                 self._ids[slot] = self._next_id
                 self._next_id += 1
-                self.slots[key] = slot
-                new_slots.append(slot)
-                new_starts.append(start)
+                new_blocks.append((key, slot, start))
             else:
                 self.slots.move_to_end(key)  # not the next to go while this prompt's blocks are stored
             touched.append(key)
             parent = self._ids[slot]
+        if new_blocks:  # copied before they are findable: a failed copy leaves no key to garbage
+            self._copy_out(cache, row, [start for _, _, start in new_blocks], [slot for _, slot, _ in new_blocks])
+            for key, slot, _ in new_blocks:
+                self.slots[key] = slot
         for key in reversed(touched):  # the first block most recent: a prefix outlives its continuations
-            if key in self.slots:  # a store smaller than the prompt has let its first blocks go
-                self.slots.move_to_end(key)
-        if new_slots:
-            # A store smaller than the prompt reuses a slot within one call: its key now names
-            # the later block, so only that one is copied.
-            latest = dict(zip(new_slots, new_starts, strict=True))
-            self._copy_out(cache, row, list(latest.values()), list(latest))
+            self.slots.move_to_end(key)
 
     def _copy_out(self, cache: KVCache, row: int, starts: list[int], slots: list[int]) -> None:
         """The blocks at `starts` of the row into `slots` (distinct), one gather per tensor."""
@@ -129,8 +111,14 @@ class PrefixCache:
                 taken = rows[layer][row].index_select(1, positions)  # [kv, blocks * size, D]
                 blocks[index] = taken.view(taken.shape[0], len(slots), size, -1).transpose(0, 1)
 
-    def _free_slot(self) -> int:
-        if len(self.slots) < self.capacity_blocks:
-            return len(self.slots)
-        _, slot = self.slots.popitem(last=False)  # its children can no longer be matched: new ids
-        return slot
+    def _free_slot(self, protect: list[BlockKey]) -> int:
+        """A slot for a new block: a never used one, else the least recently used block's, never
+        one of `protect` (the blocks this store call has passed). An evicted block's children
+        can no longer be matched: their parent's id is gone with it. A call stores at most
+        `capacity_blocks`, so some block outside `protect` is always there to evict."""
+        if self._fresh < self.capacity_blocks:
+            self._fresh += 1
+            return self._fresh - 1
+        kept = set(protect)
+        key = next(key for key in self.slots if key not in kept)
+        return self.slots.pop(key)

@@ -119,7 +119,13 @@ class ModelRunner:
         cache: only the prefix each row needs is copied in, and padding never reaches the pool.
         """
         logits: Tensor | None = None
-        for group in length_groups([len(t) for t in tokens]):
+        # Rows from an empty cache run apart from rows that continue one (a chunk, a restored
+        # prefix): a group of the first kind needs no attention mask, the fast kernel.
+        fresh = [i for i, start in enumerate(starts) if start == 0]
+        going = [i for i, start in enumerate(starts) if start > 0]
+        groups = [[part[i] for i in group] for part in (fresh, going) if part
+                  for group in length_groups([len(tokens[i]) for i in part])]
+        for group in groups:
             out = self._extend_group([seqs[i] for i in group], [starts[i] for i in group], [tokens[i] for i in group])
             if logits is None:
                 logits = out.new_empty(len(seqs), out.shape[-1])

@@ -120,6 +120,8 @@ class GatewayMetrics:
                                      buckets=E2E_BUCKETS, registry=r)
         self.prompt_tokens = Counter("nowait:prompt_tokens", "Prompt tokens processed", engine, registry=r)
         self.generation_tokens = Counter("nowait:generation_tokens", "Output tokens generated", engine, registry=r)
+        self.prefix_cache_hits = Counter("nowait:prefix_cache_hits", "Prompt tokens served from the prefix cache "
+                                         "instead of computed", engine, registry=r)
         self.request_success = Counter("nowait:request_success", "Engine runs finished", [*engine, "finished_reason"],
                                        registry=r)
         self.routed = Counter("nowait:routed_requests", "Requests by routing rule and first engine",
@@ -153,6 +155,8 @@ class GatewayMetrics:
             self.prompt_tokens.labels(e).inc(attempt.prompt_tokens)
         if attempt.completion_tokens:
             self.generation_tokens.labels(e).inc(attempt.completion_tokens)
+        if attempt.cached_prompt_tokens:
+            self.prefix_cache_hits.labels(e).inc(attempt.cached_prompt_tokens)
         self.cost.labels(e).inc(attempt.cost_usd)
         self.request_success.labels(e, attempt.outcome).inc()
         if attempt.outcome not in ("stop", "length"):

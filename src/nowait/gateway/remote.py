@@ -113,7 +113,8 @@ class RemoteBackend:
                  first_token_s: float | None, chunks: int = 0) -> Attempt:
         usage = usage or {}
         prompt = int(usage.get("prompt_tokens") or 0)
-        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        details = usage.get("prompt_tokens_details")
+        cached = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
         completion = int(usage.get("completion_tokens") or chunks)  # no usage: count the chunks
         cost = remote_cost_usd(prompt, completion, self.config.input_usd_per_mtok, self.config.output_usd_per_mtok)
         seconds = time.perf_counter() - started
