@@ -45,19 +45,20 @@ def test_chat_completion_answers_with_route_and_cost(server):
 
 
 def test_usage_counts_the_prompt_tokens_served_from_the_prefix_cache(server):
-    """Two requests that share a long instruction: the second one's prefill starts after the
-    shared blocks, and usage says so as OpenAI does (prompt_tokens_details.cached_tokens)."""
+    """Requests that share a long instruction: from the third on (the shared blocks are stored
+    the second time they are seen), prefill starts after them, and usage says so as OpenAI
+    does (prompt_tokens_details.cached_tokens)."""
     instruction = KYC_INSTRUCTION + " Keep every field exactly as the form writes it." * 3
     answers = [server.client().chat.completions.create(
         model="ar", max_tokens=4, messages=[{"role": "system", "content": instruction},
                                             {"role": "user", "content": f"Name: {name}"}])
-        for name in ("Ann Lee", "Bo Chan")]
+        for name in ("Ann Lee", "Bo Chan", "Cy Diaz")]
     cached = [a.usage.prompt_tokens_details.cached_tokens for a in answers]
-    assert cached[1] >= 16 and cached[1] < answers[1].usage.prompt_tokens
-    assert cached[1] % 16 == 0  # whole blocks
+    assert cached[2] >= 16 and cached[2] < answers[2].usage.prompt_tokens
+    assert cached[2] % 16 == 0  # whole blocks
     metrics = httpx.get(f"{server.base_url}/metrics").text
     hits = [line for line in metrics.splitlines() if line.startswith('nowait:prefix_cache_hits_total{engine="ar"}')]
-    assert hits and float(hits[0].split()[-1]) >= cached[1]
+    assert hits and float(hits[0].split()[-1]) >= cached[2]
 
 
 def test_chat_messages_fold_into_the_trained_prompt(server):

@@ -33,7 +33,7 @@ def prefilled(model, prompt: list[int], rows: int = 2) -> KVCache:
 def test_restore_copies_the_stored_blocks_a_prompt_starts_with(model):
     prompt = list(range(1, 12))  # 11 tokens: two full blocks of 4, three left over
     cache = prefilled(model, prompt)
-    store = PrefixCache(cache, capacity_blocks=8, block_size=BLOCK)
+    store = PrefixCache(cache, capacity_blocks=8, block_size=BLOCK, admit_after=1)
     store.store(prompt, cache, 0)
     assert len(store.slots) == 2
     other = [*prompt[:9], 50, 51]  # shares the first two blocks and one more token
@@ -47,7 +47,7 @@ def test_restore_copies_the_stored_blocks_a_prompt_starts_with(model):
 def test_a_block_matches_only_after_the_same_blocks(model):
     prompt = list(range(1, 12))
     cache = prefilled(model, prompt)
-    store = PrefixCache(cache, capacity_blocks=8, block_size=BLOCK)
+    store = PrefixCache(cache, capacity_blocks=8, block_size=BLOCK, admit_after=1)
     store.store(prompt, cache, 0)
     shifted = [60, 61, 62, 63, *prompt[4:]]  # the second block's tokens, after another first block
     assert store.restore(shifted, cache, 1) == 0
@@ -57,7 +57,7 @@ def test_a_block_matches_only_after_the_same_blocks(model):
 def test_one_prompt_token_is_always_left_to_compute(model):
     prompt = list(range(1, 9))  # exactly two blocks
     cache = prefilled(model, prompt)
-    store = PrefixCache(cache, capacity_blocks=8, block_size=BLOCK)
+    store = PrefixCache(cache, capacity_blocks=8, block_size=BLOCK, admit_after=1)
     store.store(prompt, cache, 0)
     assert store.restore(prompt, cache, 1) == 4  # the last token's logits choose the first output
 
@@ -66,7 +66,7 @@ def test_the_least_recently_used_blocks_go_first_and_a_prefix_outlives_its_conti
     first = list(range(1, 10))
     second = list(range(20, 29))
     cache = prefilled(model, first)
-    store = PrefixCache(cache, capacity_blocks=3, block_size=BLOCK)
+    store = PrefixCache(cache, capacity_blocks=3, block_size=BLOCK, admit_after=1)
     store.store(first, cache, 0)  # A1, A2; A1 touched last
     other = prefilled(model, second)
     store.store(second, other, 0)  # B1 takes the free slot; B2 evicts the least recent, A2
@@ -98,13 +98,13 @@ def test_engine_outputs_are_the_same_with_and_without_the_prefix_cache(model):
     ids = shared_prefix_prompts(6)
 
     def run(e: AutoregressiveEngine) -> list:
-        first = e.generate([GenerationRequest(ids[0], SamplingParams(max_tokens=12))])
-        return first + e.generate([GenerationRequest(p, SamplingParams(max_tokens=12)) for p in ids[1:]])
+        alone = [e.generate([GenerationRequest(p, SamplingParams(max_tokens=12))])[0] for p in ids[:2]]
+        return alone + e.generate([GenerationRequest(p, SamplingParams(max_tokens=12)) for p in ids[2:]])
 
     cached, plain = run(engine(model)), run(engine(model, prefix_cache_tokens=0))
     assert [c.token_ids for c in cached] == [c.token_ids for c in plain]
-    assert cached[0].cached_prompt_tokens == 0  # nothing stored yet
-    assert all(c.cached_prompt_tokens == 12 for c in cached[1:])  # 13 shared tokens: three blocks of 4
+    # Seen once, then stored at the second sighting, then restored: 13 shared tokens, three blocks of 4.
+    assert [c.cached_prompt_tokens for c in cached] == [0, 0, 12, 12, 12, 12]
     assert all(c.cached_prompt_tokens == 0 for c in plain)
     assert all(c.forwards == p.forwards for c, p in zip(cached, plain, strict=True))
 
@@ -119,7 +119,7 @@ def test_engine_prefix_cache_settings_are_checked(model):
 def test_a_store_smaller_than_the_prompt_keeps_the_prompts_first_blocks(model):
     prompt = list(range(1, 20))  # four full blocks
     cache = prefilled(model, prompt)
-    store = PrefixCache(cache, capacity_blocks=2, block_size=BLOCK)
+    store = PrefixCache(cache, capacity_blocks=2, block_size=BLOCK, admit_after=1)
     other = prefilled(model, [40, 41, 42, 43, 44])
     store.store([40, 41, 42, 43, 44], other, 0)
     store.store(prompt, cache, 0)  # the first two blocks, evicting the other prompt's block
@@ -142,11 +142,30 @@ def test_restored_prefixes_with_chunked_prefill_and_rows_moving_under_them(model
 
     def run(**config) -> list:
         e = engine(model, max_num_seqs=3, max_num_batched_tokens=16, **config)
-        first = e.generate([GenerationRequest(ids[0], SamplingParams(max_tokens=budgets[0]))])
+        first = [e.generate([GenerationRequest(p, SamplingParams(max_tokens=b))])[0]
+                 for p, b in zip(ids[:2], budgets[:2], strict=True)]
         return first + e.generate([GenerationRequest(p, SamplingParams(max_tokens=b))
-                                   for p, b in zip(ids[1:], budgets[1:], strict=True)])
+                                   for p, b in zip(ids[2:], budgets[2:], strict=True)])
 
     cached, plain = run(), run(prefix_cache_tokens=0)
     assert [c.token_ids for c in cached] == [c.token_ids for c in plain]
-    assert all(c.cached_prompt_tokens == 20 for c in cached[1:])  # five blocks of 4 of the 21 shared
+    assert all(c.cached_prompt_tokens == 20 for c in cached[2:])  # five blocks of 4 of the 21 shared
     assert sum(c.forwards for c in cached) < sum(c.forwards for c in plain)  # fewer prefill chunks
+
+
+def test_a_block_is_stored_the_second_time_it_is_seen(model):
+    """The doorkeeper: a prompt's own tail, seen once, never takes a slot from what prompts share."""
+    shared = list(range(1, 9))  # two blocks
+    first, second, third = shared + [20, 21, 22, 23, 24], shared + [30, 31, 32, 33, 34], shared + [40, 41]
+    cache = prefilled(model, first)
+    store = PrefixCache(cache, capacity_blocks=8, block_size=BLOCK)
+    store.store(first, cache, 0)
+    assert not store.slots and store.restore(first, cache, 1) == 0  # seen once: nothing stored
+    other = prefilled(model, second)
+    store.store(second, other, 0)  # the shared blocks a second time: stored; its own tail not
+    assert len(store.slots) == 2
+    assert store.restore(third, cache, 1) == 8
+    for layer in range(model.config.num_layers):
+        assert_close(cache.keys[layer][1, :, :8], other.keys[layer][0, :, :8], atol=0, rtol=0)
+    store.store(first, cache, 0)  # the first prompt again: its third block is now seen twice
+    assert len(store.slots) == 3 and store.restore(first, cache, 1) == 12

@@ -11,6 +11,12 @@ kind's header), so the prefill a request pays shrinks to what is its own.
 A block is found by its parent block and its own tokens, so a hit is exact (no hash can
 collide). The store holds `capacity_blocks` blocks and forgets the least recently used; a
 prompt's blocks are touched last-first, so a prefix outlives its continuations.
+
+A block is stored the second time it is seen, not the first (a doorkeeper, as cache admission
+filters such as TinyLFU's do). Most of a prompt is its own (the document), and storing every
+block let each prompt's unique tail evict the prefixes other prompts share: with three document
+kinds cycling through a one-row engine's store, the kinds' 344-token shared prefix was evicted
+before its kind came back, and only the first 16 tokens were ever restored.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ BlockKey = tuple[int, tuple[int, ...]]  # (parent block's id, or -1 at the start
 class PrefixCache:
     """Stored keys/values of prompt blocks for one model's cache (`like`: its layout)."""
 
-    def __init__(self, like: KVCache, capacity_blocks: int, block_size: int = 16) -> None:
+    def __init__(self, like: KVCache, capacity_blocks: int, block_size: int = 16, admit_after: int = 2) -> None:
+        """`admit_after`: sightings of a block before it is stored (1: at once)."""
         if capacity_blocks < 1 or block_size < 1:
             raise ValueError(f"a prefix cache needs capacity_blocks >= 1 and block_size >= 1, got "
                              f"{capacity_blocks} and {block_size}")
@@ -42,6 +49,10 @@ class PrefixCache:
         self._ids: dict[int, int] = {}  # slot -> id of the block it holds (ids are never reused)
         self._next_id = 0
         self._fresh = 0  # slots [0, _fresh) have held a block
+        self.admit_after = admit_after
+        # Blocks seen but not stored yet, by a hash of every token up to the block's end, with
+        # their sightings; a hash collision only stores a block early, never restores a wrong one.
+        self._sightings: OrderedDict[int, int] = OrderedDict()
 
     def _match(self, tokens: list[int], limit: int) -> list[tuple[BlockKey, int]]:
         """(key, slot) of the stored blocks `tokens` starts with, at most `limit` tokens' worth."""
@@ -80,12 +91,19 @@ class PrefixCache:
         and a chain without them can never be matched."""
         held = min(len(prompt), int(cache.lengths[row]), self.capacity_blocks * self.block_size)
         parent = -1
+        chain = 0
         touched: list[BlockKey] = []
         new_blocks: list[tuple[BlockKey, int, int]] = []  # key, slot, start
         for start in range(0, held - self.block_size + 1, self.block_size):
-            key = (parent, tuple(prompt[start: start + self.block_size]))
+            block = tuple(prompt[start: start + self.block_size])
+            key = (parent, block)
+            chain = hash((chain, block))
             slot = self.slots.get(key)
             if slot is None:
+                if self._sight(chain) < self.admit_after:  # seen too rarely: neither it nor what follows
+                    self._sight_rest(prompt, start + self.block_size, held, chain)
+                    break
+                del self._sightings[chain]  # stored from now on
                 slot = self._free_slot(protect=touched)
                 self._ids[slot] = self._next_id
                 self._next_id += 1
@@ -100,6 +118,21 @@ class PrefixCache:
                 self.slots[key] = slot
         for key in reversed(touched):  # the first block most recent: a prefix outlives its continuations
             self.slots.move_to_end(key)
+
+    def _sight(self, chain: int) -> int:
+        """Count a sighting of the block ending `chain`; its sightings so far."""
+        seen = self._sightings.pop(chain, 0) + 1
+        self._sightings[chain] = seen
+        while len(self._sightings) > 8 * self.capacity_blocks:  # forget the oldest sightings
+            self._sightings.popitem(last=False)
+        return seen
+
+    def _sight_rest(self, prompt: list[int], start: int, held: int, chain: int) -> None:
+        """Count sightings of the blocks after a block not admitted, so that a later prompt
+        with the same longer beginning stores them too."""
+        for begin in range(start, held - self.block_size + 1, self.block_size):
+            chain = hash((chain, tuple(prompt[begin: begin + self.block_size])))
+            self._sight(chain)
 
     def _copy_out(self, cache: KVCache, row: int, starts: list[int], slots: list[int]) -> None:
         """The blocks at `starts` of the row into `slots` (distinct), one gather per tensor."""
