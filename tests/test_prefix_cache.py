@@ -156,7 +156,7 @@ def test_restored_prefixes_with_chunked_prefill_and_rows_moving_under_them(model
 def test_a_block_is_stored_the_second_time_it_is_seen(model):
     """The doorkeeper: a prompt's own tail, seen once, never takes a slot from what prompts share."""
     shared = list(range(1, 9))  # two blocks
-    first, second, third = shared + [20, 21, 22, 23, 24], shared + [30, 31, 32, 33, 34], shared + [40, 41]
+    first, second, third = [*shared, 20, 21, 22, 23, 24], [*shared, 30, 31, 32, 33, 34], [*shared, 40, 41]
     cache = prefilled(model, first)
     store = PrefixCache(cache, capacity_blocks=8, block_size=BLOCK)
     store.store(first, cache, 0)
