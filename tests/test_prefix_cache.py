@@ -169,3 +169,29 @@ def test_a_block_is_stored_the_second_time_it_is_seen(model):
         assert_close(cache.keys[layer][1, :, :8], other.keys[layer][0, :, :8], atol=0, rtol=0)
     store.store(first, cache, 0)  # the first prompt again: its third block is now seen twice
     assert len(store.slots) == 3 and store.restore(first, cache, 1) == 12
+
+
+def test_a_failed_copy_gives_its_slots_back(model, monkeypatch):
+    prompt = list(range(1, 17))  # four blocks
+    cache = prefilled(model, prompt)
+    store = PrefixCache(cache, capacity_blocks=4, block_size=BLOCK, admit_after=1)
+    store.store(prompt, cache, 0)
+
+    def broken(*args):
+        raise MemoryError("no room")
+
+    other = list(range(30, 46))
+    with monkeypatch.context() as patch:
+        patch.setattr(store, "_copy_out", broken)
+        with pytest.raises(MemoryError):
+            store.store(other, cache, 0)
+    assert store.restore(other, cache, 1) == 0  # nothing findable from the failed store
+    store.store(other, cache, 0)  # every slot still usable
+    assert len(store.slots) == 4 and store.restore(other, cache, 1) == 12
+
+
+def test_prefix_cache_sizes_are_checked(model):
+    with pytest.raises(ValueError, match="prefix_cache_tokens must be 0"):
+        engine(model, prefix_cache_tokens=BLOCK - 1)
+    with pytest.raises(ValueError, match="admit_after"):
+        PrefixCache(prefilled(model, [1, 2]), capacity_blocks=2, admit_after=0)

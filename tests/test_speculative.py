@@ -194,6 +194,9 @@ def test_greedy_output_is_the_targets_token_for_token(target, proposer, max_batc
     # the second sighting), and the draft model still catches up on the whole prompt.
     assert [c.token_ids for c in again] == [c.token_ids for c in reference]
     assert any(c.cached_prompt_tokens for c in again)
+    # The draft sees the whole prompt as before: it proposes and is accepted exactly as alone.
+    assert [(c.draft_tokens_proposed, c.draft_tokens_accepted) for c in again] == \
+        [(c.draft_tokens_proposed, c.draft_tokens_accepted) for c in alone]
 
 
 def test_the_draft_catching_up_on_long_prompts_keeps_to_the_token_cap(target):

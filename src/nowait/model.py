@@ -202,6 +202,7 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     if torch.is_grad_enabled():
         return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    # In place, cos/sin must broadcast into x's shape (they always do: built from x's positions).
     return (x.float() * cos).add_(rotated.float().mul_(sin)).to(x.dtype)
 
 

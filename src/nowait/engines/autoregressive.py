@@ -151,11 +151,17 @@ class AutoregressiveEngine:
         """The target model's prefix cache, sized by the config (None when turned off)."""
         block = self.config.prefix_block_size
         tokens = self.config.prefix_cache_tokens
-        if tokens is None:  # an eighth of the rows, and at least one row's worth
+        if block < 1:
+            raise ValueError(f"prefix_block_size must be >= 1, got {block}")
+        if tokens is None:  # an eighth of the rows, and at least one row's worth (none if under a block)
             tokens = max(self.pool.rows * self.pool.max_tokens // 8, self.pool.max_tokens)
-        if block < 1 or tokens < 0:
-            raise ValueError(f"prefix_block_size must be >= 1 and prefix_cache_tokens >= 0, got {block} and {tokens}")
-        return PrefixCache(self.pool.caches[0], tokens // block, block) if tokens >= block else None
+            return PrefixCache(self.pool.caches[0], tokens // block, block) if tokens >= block else None
+        if tokens and tokens < block:
+            raise ValueError(f"prefix_cache_tokens must be 0 (off) or at least prefix_block_size ({block}), "
+                             f"got {tokens}")
+        if tokens < 0:
+            raise ValueError(f"prefix_cache_tokens must be >= 0, got {tokens}")
+        return PrefixCache(self.pool.caches[0], tokens // block, block) if tokens else None
 
     # --- hooks the speculative engine overrides ---
 

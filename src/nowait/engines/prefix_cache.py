@@ -35,9 +35,9 @@ class PrefixCache:
 
     def __init__(self, like: KVCache, capacity_blocks: int, block_size: int = 16, admit_after: int = 2) -> None:
         """`admit_after`: sightings of a block before it is stored (1: at once)."""
-        if capacity_blocks < 1 or block_size < 1:
-            raise ValueError(f"a prefix cache needs capacity_blocks >= 1 and block_size >= 1, got "
-                             f"{capacity_blocks} and {block_size}")
+        if capacity_blocks < 1 or block_size < 1 or admit_after < 1:
+            raise ValueError(f"a prefix cache needs capacity_blocks, block_size and admit_after >= 1, got "
+                             f"{capacity_blocks}, {block_size} and {admit_after}")
         kv_heads, dim = like.keys[0].shape[1], like.keys[0].shape[3]
         shape = (capacity_blocks, kv_heads, block_size, dim)
         dtype, device = like.keys[0].dtype, like.keys[0].device
@@ -49,6 +49,7 @@ class PrefixCache:
         self._ids: dict[int, int] = {}  # slot -> id of the block it holds (ids are never reused)
         self._next_id = 0
         self._fresh = 0  # slots [0, _fresh) have held a block
+        self._free: list[int] = []  # slots given back by a copy that failed
         self.admit_after = admit_after
         # Blocks seen but not stored yet, by a hash of every token up to the block's end, with
         # their sightings; a hash collision only stores a block early, never restores a wrong one.
@@ -113,7 +114,12 @@ class PrefixCache:
             touched.append(key)
             parent = self._ids[slot]
         if new_blocks:  # copied before they are findable: a failed copy leaves no key to garbage
-            self._copy_out(cache, row, [start for _, _, start in new_blocks], [slot for _, slot, _ in new_blocks])
+            slots = [slot for _, slot, _ in new_blocks]
+            try:
+                self._copy_out(cache, row, [start for _, _, start in new_blocks], slots)
+            except BaseException:
+                self._free.extend(slots)  # and no slot is lost: the next blocks take them
+                raise
             for key, slot, _ in new_blocks:
                 self.slots[key] = slot
         for key in reversed(touched):  # the first block most recent: a prefix outlives its continuations
@@ -149,6 +155,8 @@ class PrefixCache:
         one of `protect` (the blocks this store call has passed). An evicted block's children
         can no longer be matched: their parent's id is gone with it. A call stores at most
         `capacity_blocks`, so some block outside `protect` is always there to evict."""
+        if self._free:
+            return self._free.pop()
         if self._fresh < self.capacity_blocks:
             self._fresh += 1
             return self._fresh - 1

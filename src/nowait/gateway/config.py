@@ -54,7 +54,8 @@ class ArEngineConfig(OwnedEngineConfig):
     max_num_batched_tokens: int = Field(2048, ge=1)
     max_model_len: int | None = Field(None, ge=2)
     prefix_cache_tokens: int | None = Field(None, ge=0, description="prompt tokens the prefix cache keeps (default: "
-                                                                  "an eighth of the rows' tokens; 0: off)")
+                                                                  "an eighth of the rows' tokens, at least "
+                                                                  "max_model_len; 0: off)")
     structured: bool = Field(True, description="build the JSON-schema grammar (response_format)")
 
     @model_validator(mode="after")
