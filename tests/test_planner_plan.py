@@ -97,6 +97,35 @@ def test_a_draft_model_and_a_mixture_of_experts_plan_end_to_end():
     assert moe["workloads"][0]["engines"]["ar"]["nodes"] is not None
 
 
+def test_a_shared_prompt_prefix_shortens_the_ar_engines_prefill_and_not_diffusions():
+    """A 1,500-token system prompt before every 2,000-token request: the AR engines restore it
+    from the prefix cache and prefill the rest over it; diffusion computes all of it."""
+    from nowait.planner import parse_scenario
+    from nowait.planner.plan import build_fleets, with_shared_prefix
+
+    workload = {"name": "policy-chat", "arrival_rate_per_s": 4, "input_tokens": 2000, "output_tokens": 100,
+                "p99_latency_s": 10, "token_value_usd_per_mtok": 1}
+    base = {"hardware": {"node": "8xH100-SXM"}, "model": "llama-3-8b", "simulation": {"requests": 300}}
+    plain = parse_scenario({**base, "workloads": [workload]})
+    shared = parse_scenario({**base, "workloads": [{**workload, "shared_prefix_tokens": 1500}]})
+    fleets = build_fleets(plain)
+    sharing = with_shared_prefix(fleets, 1500)
+    def prefill(fleet, ideal: bool = False) -> float:
+        return (fleet.make_ideal if ideal else fleet.make)(1).prefill_seconds(2000, 1)
+
+    for name in ("ar", "spec", "verify"):
+        assert prefill(sharing[name]) < prefill(fleets[name]) / 2
+        assert prefill(sharing[name], ideal=True) < prefill(fleets[name], ideal=True)
+    assert prefill(sharing["diffusion"]) == prefill(fleets["diffusion"])
+    assert sharing["ar"].make(1).prefill_seconds(1000, 1) > 0  # a prompt shorter than the prefix still computes a token
+    before, after = (to_json(make_plan(s))["workloads"][0] for s in (plain, shared))
+    assert after["shared_prefix_tokens"] == 1500 and before["shared_prefix_tokens"] == 0
+    assert after["engines"]["ar"]["tokens_per_s_per_node"] > before["engines"]["ar"]["tokens_per_s_per_node"]
+    diffusion = [w["engines"]["diffusion"]["tokens_per_s_per_node"] for w in (before, after)]
+    assert diffusion[0] == diffusion[1]
+    assert any("first 1500 prompt tokens are shared" in line for line in to_json(make_plan(shared))["assumptions"])
+
+
 def test_long_lived_requests_are_simulated_long_enough_to_size_the_fleet():
     """Overnight KYC requests live ~15 s at 35 arrivals/s: 2,000 arrivals (58 s) never reach
     steady state, which planned one AR node too few against a 28 s target. The planner now

@@ -55,21 +55,31 @@ def steps_for(output_tokens: float, tokens_per_step: float) -> int:
     return max(1, math.ceil(output_tokens / tokens_per_step - 1e-9))
 
 
+def restored_tokens(shared_prefix_tokens: float, prompt_tokens: float) -> float:
+    """Prompt tokens a prefix cache restores instead of computing: the shared prefix, leaving at
+    least the prompt's last token to compute (its logits choose the first output token)."""
+    return max(0.0, min(shared_prefix_tokens, prompt_tokens - 1))
+
+
 @dataclass(frozen=True)
 class AutoregressiveServing:
-    """One token per forward per sequence; continuous batching (Orca, vLLM) under a batch cap."""
+    """One token per forward per sequence; continuous batching (Orca, vLLM) under a batch cap.
+    `shared_prefix_tokens`: a beginning every prompt shares, which the prefix cache restores:
+    the prefill computes the rest over it."""
 
     target: ForwardTimer
     max_batch: int = 256
     kv_token_budget: float = math.inf
     name: str = "ar"
+    shared_prefix_tokens: float = 0.0
 
     @property
     def tokens_per_step(self) -> float:
         return 1.0
 
     def prefill_seconds(self, prompt_tokens: float, prompts: int) -> float:
-        return self.target(prompt_tokens, 0, prompts)
+        restored = restored_tokens(self.shared_prefix_tokens, prompt_tokens)
+        return self.target(prompt_tokens - restored, restored, prompts)
 
     def step_seconds(self, batch: int, mean_context: float, mean_remaining: float) -> float:
         return self.target(1, mean_context, batch)
@@ -89,13 +99,15 @@ class SpeculativeServing:
     max_batch: int = 256
     kv_token_budget: float = math.inf
     name: str = "spec"
+    shared_prefix_tokens: float = 0.0  # restored for the target only: the draft keeps no prefix cache
 
     @property
     def tokens_per_step(self) -> float:
         return expected_tokens_per_target_pass(self.acceptance_rate, self.gamma)
 
     def prefill_seconds(self, prompt_tokens: float, prompts: int) -> float:
-        return self.target(prompt_tokens, 0, prompts) + self.draft(prompt_tokens, 0, prompts)
+        restored = restored_tokens(self.shared_prefix_tokens, prompt_tokens)
+        return self.target(prompt_tokens - restored, restored, prompts) + self.draft(prompt_tokens, 0, prompts)
 
     def step_seconds(self, batch: int, mean_context: float, mean_remaining: float) -> float:
         drafting = self.gamma * self.draft(1, mean_context, batch)

@@ -91,6 +91,8 @@ class WorkloadPlan:
     sensitivity_engine: str | None = None
     sensitivity: list[cost.SensitivityRow] = field(default_factory=list)
     requests: list[Request] = field(default_factory=list, repr=False)
+    # The engines as they serve this workload (its shared prefix restored by the AR engines).
+    fleets: dict[str, EngineFleet] = field(default_factory=dict, repr=False)
 
 
 @dataclass
@@ -337,8 +339,23 @@ def fold_fallback(diffusion: EnginePlan, fallback_rate: float, ar_usd_per_mtok: 
 # --- the whole scenario ----------------------------------------------------------------------------------
 
 
+def with_shared_prefix(fleets: dict[str, EngineFleet], tokens: float) -> dict[str, EngineFleet]:
+    """The fleets as they serve a workload whose prompts share their first `tokens`: the AR
+    engines (ar, spec, and the verify re-run on the same target) restore them from the prefix
+    cache; the diffusion engine reads its prompt both ways and has no prefix to share."""
+    if not tokens:
+        return fleets
+
+    def sharing(build: Callable[[int], ServingModel]) -> Callable[[int], ServingModel]:
+        return lambda cap: replace(build(cap), shared_prefix_tokens=tokens)
+
+    return {name: replace(fleet, make=sharing(fleet.make), make_ideal=sharing(fleet.make_ideal))
+            if name in ("ar", "spec", "verify") else fleet for name, fleet in fleets.items()}
+
+
 def plan_workload(scenario: Scenario, fleets: dict[str, EngineFleet], workload: Workload,
                   fallback_rate: float) -> WorkloadPlan:
+    fleets = with_shared_prefix(fleets, workload.shared_prefix_tokens)
     sim = scenario.simulation
     requests = sample_requests(workload, sim.requests, sim.seed)
     mean_in = float(np.mean([r.input_tokens for r in requests]))
@@ -363,7 +380,7 @@ def plan_workload(scenario: Scenario, fleets: dict[str, EngineFleet], workload: 
                      allowed=workload.data_class in api.data_classes, frontier=api.frontier)
             for api in scenario.apis]
     plan = WorkloadPlan(workload=workload, decision=decision, engines=engines, apis=apis,
-                        mean_input_tokens=mean_in, mean_output_tokens=mean_out, requests=requests)
+                        mean_input_tokens=mean_in, mean_output_tokens=mean_out, requests=requests, fleets=fleets)
     owned = decision.engine if decision.engine in engines and engines[decision.engine].feasible else None
     if owned is None:
         feasible = [e for e in engines.values() if e.feasible]
@@ -401,6 +418,11 @@ def assumptions(scenario: Scenario, profile: Profile | None) -> list[str]:
         f"latencies, discarded), no fleet planned above "
         f"{scenario.simulation.max_utilization:.0%} utilization; p99 is end to end (arrival to last token).",
     ]
+    for w in scenario.workloads:
+        if w.shared_prefix_tokens:
+            lines.append(f"{w.name}: the first {w.shared_prefix_tokens} prompt tokens are shared and restored by the "
+                         f"AR engines' prefix cache (the prefill computes the rest); the diffusion engine computes "
+                         f"them.")
     if profile is not None:
         lines.append(f"Step times measured ({profile.model or 'model'} on {profile.hardware or 'hardware'}, "
                      f"{profile.measured_at or 'undated'}), replacing the roofline for the engines they cover.")
@@ -430,7 +452,8 @@ def nodes_at_rates(plan: Plan, workload_plan: WorkloadPlan, multipliers: list[fl
             return at_rate(sample_requests(workload, count, sim.seed), multiplier)
 
         for name in ENGINES:
-            engine = plan_engine(plan.fleets[name], requests, workload.rate_per_s * multiplier, workload.p99_latency_s,
+            engine = plan_engine(workload_plan.fleets[name], requests, workload.rate_per_s * multiplier,
+                                 workload.p99_latency_s,
                                  plan.node_usd_per_hour, sim.max_utilization, sim.warmup_fraction, resample)
             result[name].append(engine.nodes)
     return result
@@ -474,6 +497,7 @@ def to_json(plan: Plan) -> dict:
             "arrival_rate_per_s": number(w.workload.rate_per_s),
             "p99_target_s": w.workload.p99_latency_s,
             "mean_input_tokens": number(w.mean_input_tokens),
+            "shared_prefix_tokens": w.workload.shared_prefix_tokens,
             "mean_output_tokens": number(w.mean_output_tokens),
             "engines": engines,
             "apis": [{"name": q.name, "cost_per_mtok_usd": number(q.usd_per_mtok), "allowed": q.allowed}

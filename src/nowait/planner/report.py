@@ -146,7 +146,7 @@ def plot_latency_vs_batch(plan: Plan, path: Path) -> None:
     figure, axes = _subplots(len(plan.workloads), "Latency of a mean request in a full batch vs batch size")
     for axis, w in zip(axes, plan.workloads, strict=True):
         for name in ENGINES:
-            fleet = plan.fleets[name]
+            fleet = w.fleets[name]
             batches = batch_ladder(fleet.max_batch, fleet.max_batch)
             latency = [request_seconds(fleet.make(b), b, w.mean_input_tokens, w.mean_output_tokens) for b in batches]
             axis.plot(batches, latency, "o-", color=ENGINE_COLORS[name], label=ENGINE_LABELS[name], markersize=3)

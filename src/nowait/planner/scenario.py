@@ -135,6 +135,9 @@ class Workload(Strict):
     window_hours: float | None = Field(None, gt=0)
     input_tokens: LengthDistribution
     output_tokens: LengthDistribution
+    shared_prefix_tokens: int = Field(0, ge=0, description="prompt tokens every request starts with (a system "
+                                      "prompt, an instruction): the AR engines' prefix cache restores them, the "
+                                      "diffusion engine computes them")
     p99_latency_s: float = Field(gt=0, description="end-to-end target, arrival to last token")
     token_value_usd_per_mtok: float = Field(ge=0)
     data_class: DataClass = DataClass.internal
