@@ -72,3 +72,41 @@ def test_engines_in_process(setup):
     assert [(r["target"], r["kind"], r["successful"]) for r in runs] == [("ar", "ar", 2), ("diffusion", "diffusion", 2)]
     missing = bench("--engine", "frontier", "--config", str(root / "nowait.yaml"))
     assert missing.exit_code == 2 and "not configured" in missing.stderr
+
+
+def test_a_system_prompt_file_goes_before_every_instruction_and_reaches_the_prefix_cache(setup, tmp_path):
+    import httpx
+
+    live, _ = setup
+    policy = tmp_path / "policy.txt"
+    policy.write_text("Follow the bank's extraction policy: copy every field exactly as the form writes it. " * 3)
+
+    def hits() -> float:
+        lines = httpx.get(f"{live.base_url}/metrics").text.splitlines()
+        found = [line for line in lines if line.startswith('nowait:prefix_cache_hits_total{engine="ar"}')]
+        return float(found[0].split()[-1]) if found else 0.0
+
+    before = hits()
+    result = bench("--base-url", live.base_url, "--api-key", API_KEY, "--model", "ar", "--max-requests", "3",
+                   "--kinds", "kyc", "--system-prompt-file", str(policy), "--json")
+    assert result.exit_code == 0, result.output
+    report = last_json(result.stdout)
+    assert report["workload"]["system_prefix_chars"] == len(policy.read_text().strip())
+    assert report["runs"][0]["errors"] == 0
+    assert hits() - before >= 16  # the shared policy text, stored at its second sighting, restored after
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    for path, message in ((empty, "is empty"), (tmp_path / "missing.txt", "cannot read")):
+        refused = bench("--base-url", live.base_url, "--system-prompt-file", str(path))
+        assert refused.exit_code == 2 and message in refused.stderr
+
+
+def test_the_system_prefix_comes_before_the_kinds_instruction():
+    from nowait.bench.load_workload import LoadRequest
+    from nowait.extraction.corpus import documents
+    from nowait.tokenizer import instruction_for
+
+    doc = documents("test", 1)[0]
+    assert LoadRequest(doc).messages()[0]["content"] == instruction_for(doc.kind)
+    system = LoadRequest(doc, system_prefix="Policy.").messages()[0]["content"]
+    assert system == f"Policy.\n{instruction_for(doc.kind)}"

@@ -135,6 +135,14 @@ def settings_from_arguments(**a) -> LoadSettings:
             config = load_config(a["config"]) if a["config"] is not None else default_config()
         except ConfigError as error:
             _fail(str(error))
+    system_prefix = ""
+    if a["system_prompt_file"] is not None:
+        try:
+            system_prefix = a["system_prompt_file"].read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as error:
+            _fail(f"--system-prompt-file: cannot read {a['system_prompt_file']}: {error}")
+        if not system_prefix:
+            _fail(f"--system-prompt-file: {a['system_prompt_file']} is empty")
     # Bounds: both apply; without either, a run stops at 50 requests or 60 s.
     max_requests, max_seconds = a["max_requests"], a["max_seconds"]
     if max_requests is None and max_seconds is None:
@@ -144,7 +152,8 @@ def settings_from_arguments(**a) -> LoadSettings:
         profile=profile, rates=rates, max_concurrency=a["max_concurrency"], workload=a["workload"], kinds=kinds,
         split=a["split"] if a["seed"] is None else None, seed=a["seed"], latency_target_ms=a["latency_target_ms"],
         token_value=a["token_value"], data_class=a["data_class"], max_tokens=a["max_tokens"],
-        use_schema=a["schema"], stream=a["stream"], warmup=a["warmup"], max_requests=max_requests,
+        use_schema=a["schema"], system_prefix=system_prefix, stream=a["stream"], warmup=a["warmup"],
+        max_requests=max_requests,
         max_seconds=max_seconds, request_timeout_s=a["request_timeout"])
 
 
@@ -172,6 +181,9 @@ def load(
     token_value: float = typer.Option(0.5, help="x-nowait-token-value, $ per million tokens"),
     data_class: str = typer.Option("restricted", help="x-nowait-data-class"),
     max_tokens: int = typer.Option(256, help="max_tokens per request"),
+    system_prompt_file: Path = typer.Option(None, "--system-prompt-file", help="text put before every request's "
+                                            "instruction in its system message: your deployment's own system "
+                                            "prompt, the shared beginning a prefix cache serves"),
     schema: bool = typer.Option(True, "--schema/--no-schema", help="ask for the kind's JSON Schema "
                                                                    "(response_format)"),
     stream: bool = typer.Option(True, "--stream/--no-stream", help="stream answers (TTFT and ITL need it)"),

@@ -66,6 +66,7 @@ class LoadSettings:
     data_class: str = "restricted"
     max_tokens: int = 256
     use_schema: bool = True
+    system_prefix: str = ""  # before every request's instruction (--system-prompt-file)
     stream: bool = True
     warmup: bool = True
     max_requests: int | None = 50
@@ -179,12 +180,12 @@ class LoadSession:
 
     async def _runs(self, target: Target) -> None:
         docs = self.documents()
-        requests = request_stream(docs, self.s.max_tokens, self.s.use_schema, self.metadata())
+        requests = request_stream(docs, self.s.max_tokens, self.s.use_schema, self.metadata(), self.s.system_prefix)
         bounds = Bounds(self.s.max_requests, self.s.max_seconds)
         if self.s.warmup and not self.stop.is_set():
             self.progress.message(f"warming up {target.name} ...")
-            await target.send(next(request_stream(docs, self.s.max_tokens, self.s.use_schema, self.metadata())),
-                              time.perf_counter())
+            await target.send(next(request_stream(docs, self.s.max_tokens, self.s.use_schema, self.metadata(),
+                                                  self.s.system_prefix)), time.perf_counter())
         if self.s.profile == "sweep":
             points = int(self.s.rates[0]) if self.s.rates else 5
             first = [RunSpec("synchronous", stage="synchronous"),
@@ -214,7 +215,8 @@ class LoadSession:
     async def _batch(self, client: httpx.AsyncClient, base_url: str, model: str) -> None:
         count = self.s.max_requests or 32
         docs = corpus_documents(count, self.s.kinds, self.s.split, self.s.seed)
-        requests = {f"doc-{i}": LoadRequest(doc, self.s.max_tokens, self.s.use_schema) for i, doc in enumerate(docs)}
+        requests = {f"doc-{i}": LoadRequest(doc, self.s.max_tokens, self.s.use_schema,
+                                            system_prefix=self.s.system_prefix) for i, doc in enumerate(docs)}
         batches = BatchClient(client, base_url)
         spec = RunSpec("concurrent", float(len(requests)), stage="batch")
         self.progress.run_started(model, spec, len(requests))
@@ -319,7 +321,8 @@ class LoadSession:
             "workload": {"name": s.workload, "description": description, "kinds": list(s.kinds),
                          "latency_target_ms": s.latency_target_ms if s.workload == "realtime" else None,
                          "token_value_usd_per_mtok": s.token_value, "data_class": s.data_class,
-                         "max_tokens": s.max_tokens, "schema": s.use_schema},
+                         "max_tokens": s.max_tokens, "schema": s.use_schema,
+                         "system_prefix_chars": len(s.system_prefix)},
             "settings": {"profile": s.profile, "rates": s.rates, "max_requests": s.max_requests,
                          "max_seconds": s.max_seconds, "stream": s.stream, "split": s.split if s.seed is None else None,
                          "seed": s.seed, "warmup": s.warmup, "request_timeout_s": s.request_timeout_s},

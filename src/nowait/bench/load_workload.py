@@ -8,6 +8,8 @@ Batch lines carry no metadata: the gateway treats batch lines as batchable by de
 
 The chat shape is the usual client one: a system message with the instruction and a user
 message with the pasted document (the gateway folds it into the demo models' trained prompt).
+A `system_prefix` (a deployment's own system prompt) goes before the instruction in every
+request: the beginning prompts share, which a prefix cache serves.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class LoadRequest:
     max_tokens: int = DEFAULT_MAX_TOKENS
     use_schema: bool = True
     metadata: RoutingMetadata = RoutingMetadata()
+    system_prefix: str = ""
 
     @property
     def latency_target_s(self) -> float | None:
@@ -61,8 +64,9 @@ class LoadRequest:
         return None if budget is None else budget / 1000.0
 
     def messages(self) -> list[dict[str, str]]:
-        return [{"role": "system", "content": instruction_for(self.doc.kind)},
-                {"role": "user", "content": self.doc.text}]
+        instruction = instruction_for(self.doc.kind)
+        system = f"{self.system_prefix}\n{instruction}" if self.system_prefix else instruction
+        return [{"role": "system", "content": system}, {"role": "user", "content": self.doc.text}]
 
     def body(self, model: str, stream: bool) -> dict:
         """The `/v1/chat/completions` body (greedy: extraction wants the most likely answer)."""
@@ -108,11 +112,11 @@ def corpus_documents(count: int, kinds: tuple[str, ...] = KINDS, split: str | No
 
 
 def request_stream(docs: list[Document], max_tokens: int = DEFAULT_MAX_TOKENS, use_schema: bool = True,
-                   metadata: RoutingMetadata = RoutingMetadata()) -> Iterator[LoadRequest]:
+                   metadata: RoutingMetadata = RoutingMetadata(), system_prefix: str = "") -> Iterator[LoadRequest]:
     """The documents as requests, cycled without end (a time-bounded run may need more)."""
     if not docs:
         raise ValueError("no documents to send")
     index = 0
     while True:
-        yield LoadRequest(docs[index % len(docs)], max_tokens, use_schema, metadata)
+        yield LoadRequest(docs[index % len(docs)], max_tokens, use_schema, metadata, system_prefix)
         index += 1
