@@ -65,6 +65,30 @@ def test_measurements_follow_the_engines_structure():
     assert notes == []
 
 
+def test_a_prefix_cache_hit_makes_the_prefill_the_prompts_rest_over_a_cached_context():
+    """The time to first token computed only the prompt's uncached tokens: 150 of 200 restored
+    (as usage reported them) is a 50-token prefill over 150 cached, not a 200-token one."""
+    from dataclasses import replace
+
+    records = [replace(ar_record(i * 1.0, ttft=0.02, itl=0.01), cached_prompt_tokens=150) for i in range(5)]
+    profile, _ = build_profile([RunResult("ar", "ar", RunSpec("synchronous"), records)], KINDS.get, "demo", "box")
+    [prefill] = [m for m in profile.measurements if m.engine == "ar" and m.new_tokens > 1]
+    assert (prefill.new_tokens, prefill.context, prefill.seconds) == (50, 150, pytest.approx(0.02))
+
+
+def test_cached_tokens_are_read_from_usage_as_openai_writes_them():
+    from nowait.bench.load_http import cached_tokens
+    from nowait.bench.load_metrics import summarize_run
+
+    assert cached_tokens({"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 8}}) == 8
+    assert cached_tokens({"prompt_tokens": 9, "prompt_tokens_details": None}) == 0
+    assert cached_tokens({"prompt_tokens_details": "odd"}) == 0 and cached_tokens(None) == 0
+    from dataclasses import replace
+
+    records = [replace(ar_record(0.0, 0.02, 0.01), cached_prompt_tokens=c) for c in (0, 16, 32)]
+    assert summarize_run(records).mean_cached_prompt_tokens == 16
+
+
 def test_profile_round_trips_into_the_planner(tmp_path):
     profile, _ = build_profile(runs(), KINDS.get, model="demo", hardware="test box")
     path = write_profile(profile, tmp_path / "sub" / "bench.json")

@@ -98,6 +98,12 @@ def _engine_runs(info: dict | None) -> tuple[EngineRun, ...]:
     return tuple(runs)
 
 
+def cached_tokens(usage: dict | None) -> int:
+    """`usage.prompt_tokens_details.cached_tokens` (OpenAI's field, vLLM's and nowait's too), or 0."""
+    details = (usage or {}).get("prompt_tokens_details")
+    return int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+
+
 def _apply_nowait(record: RequestRecord, info: dict | None, route: str | None) -> None:
     """Copy the gateway's explanation onto the record (absent on other servers)."""
     record.engine = route or (info or {}).get("route") or record.engine
@@ -124,6 +130,7 @@ def record_from_body(request: LoadRequest, target: str, sent_s: float, done_s: f
         return record
     usage = body.get("usage") or {}
     record.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    record.cached_prompt_tokens = cached_tokens(usage)
     record.output_tokens = int(usage.get("completion_tokens") or 0)
     record.first_token_s = done_s  # not streamed: the first token arrives with the last
     _apply_nowait(record, body.get("nowait"), route)
@@ -204,6 +211,7 @@ async def stream_chat(client: httpx.AsyncClient, base_url: str, request: LoadReq
     if record.error is not None:
         return record
     record.prompt_tokens = int((usage or {}).get("prompt_tokens") or 0)
+    record.cached_prompt_tokens = cached_tokens(usage)
     # Servers that send no usage chunk: one token per content chunk is the best guess left.
     record.output_tokens = int((usage or {}).get("completion_tokens") or chunks)
     _apply_nowait(record, info, route)

@@ -73,6 +73,7 @@ class InProcessEngine:
 
     def _finish(self, record: RequestRecord, request: LoadRequest, attempt: Attempt, text: str) -> RequestRecord:
         record.prompt_tokens, record.output_tokens = attempt.prompt_tokens, attempt.completion_tokens
+        record.cached_prompt_tokens = attempt.cached_prompt_tokens
         record.engine, record.cost_usd = self.name, attempt.cost_usd
         record.attempts = (EngineRun(engine=self.name, seconds=attempt.seconds, prompt_tokens=attempt.prompt_tokens,
                                      completion_tokens=attempt.completion_tokens, forwards=attempt.forwards,

@@ -65,6 +65,7 @@ class RequestRecord:
     latency_target_s: float | None = None
     score: DocumentScore | None = None
     label: str = ""  # a caller's grouping (the demo's route names)
+    cached_prompt_tokens: int = 0  # of prompt_tokens, served from the server's prefix cache (usage says so)
 
     @property
     def ok(self) -> bool:
@@ -146,6 +147,7 @@ class RunSummary:
     goodput: dict[str, float]
     accuracy: dict[str, float] | None
     mean_prompt_tokens: float
+    mean_cached_prompt_tokens: float  # of those, restored from a prefix cache, as the server reported
     mean_output_tokens: float
     # Medians: the lengths of a request at the e2e p50 when lengths drive the latency (batch 1),
     # which `nowait plan --check` predicts for.
@@ -181,6 +183,7 @@ def summarize_run(records: Sequence[RequestRecord], duration_s: float | None = N
                  "requests_per_s": round(per_s(in_time), 4)},
         accuracy=accuracy(r.score for r in ok),
         mean_prompt_tokens=round(float(np.mean([r.prompt_tokens for r in ok])), 2) if ok else 0.0,
+        mean_cached_prompt_tokens=round(float(np.mean([r.cached_prompt_tokens for r in ok])), 2) if ok else 0.0,
         mean_output_tokens=round(float(np.mean([r.output_tokens for r in ok])), 2) if ok else 0.0,
         median_prompt_tokens=float(np.median([r.prompt_tokens for r in ok])) if ok else 0.0,
         median_output_tokens=float(np.median([r.output_tokens for r in ok])) if ok else 0.0,

@@ -93,8 +93,12 @@ def decode_step_seconds(itl_s: float, prefills: float, prefill_s: float, output_
 
 
 def _ar_prefill(streamed: list[RequestRecord]) -> Measurement:
-    return Measurement(engine="ar", batch=1, new_tokens=max(1, round(_median([r.prompt_tokens for r in streamed]))),
-                       context=0, seconds=_median([r.ttft_s for r in streamed]))
+    """The time to first token as a prefill: of the prompt's tokens, those a prefix cache restored
+    (as the server's usage reports them) are context the computed ones attend to, not work."""
+    computed = _median([r.prompt_tokens - r.cached_prompt_tokens for r in streamed])
+    return Measurement(engine="ar", batch=1, new_tokens=max(1, round(computed)),
+                       context=round(_median([r.cached_prompt_tokens for r in streamed])),
+                       seconds=_median([r.ttft_s for r in streamed]))
 
 
 def _ar_measurements(result: RunResult, streamed: list[RequestRecord], duration_s: float,
