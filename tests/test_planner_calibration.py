@@ -94,6 +94,22 @@ def test_predicted_timeline_by_hand():
     assert predicted_timeline(ar, 10, 1).itl_s is None
 
 
+def test_a_run_whose_prompts_hit_the_prefix_cache_is_predicted_with_the_same_hits():
+    """A load test whose server restored 150 of 200 prompt tokens: the check predicts a prefill
+    of the other 50 over 150 cached, as the server ran it."""
+    from nowait.planner.calibration import MeasuredRun, check_engine
+
+    def per_token(new_tokens, cached_tokens, batch):
+        return 0.001 * new_tokens  # a forward costs its computed tokens
+    ar = AutoregressiveServing(target=per_token)
+    hit = MeasuredRun("ar", "ar", 5, 200, 2, "median", e2e_s=0.052, ttft_s=0.051, cached_prompt_tokens=150)
+    [e2e, ttft] = check_engine(ar, hit, "profile").comparisons
+    assert ttft.predicted_s == pytest.approx(0.050 + 0.001) and not ttft.flagged
+    assert e2e.predicted_s == pytest.approx(0.052)
+    cold = MeasuredRun("ar", "ar", 5, 200, 2, "median", e2e_s=0.202, ttft_s=0.201)
+    assert check_engine(ar, cold, "profile").comparisons[1].predicted_s == pytest.approx(0.201)
+
+
 def test_measured_runs_reads_synchronous_runs_and_says_why_the_others_are_left_out():
     load = {"runs": [
         run("ar", "ar", 100, 10, 9, ttft_ms=20, itl_ms=10),

@@ -22,7 +22,7 @@ whole blocks whose width is the engine's, not the planner's.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from nowait.planner.engines import ServingModel, request_seconds
@@ -54,6 +54,7 @@ class MeasuredRun:
     e2e_s: float
     ttft_s: float | None = None
     itl_s: float | None = None
+    cached_prompt_tokens: float = 0.0  # restored from the server's prefix cache, on average
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,9 @@ def predicted_timeline(serving: ServingModel, prompt_tokens: float, output_token
 
 
 def check_engine(serving: ServingModel, run: MeasuredRun, basis: str, tolerance: float = TOLERANCE) -> EngineCheck:
+    if run.cached_prompt_tokens and hasattr(serving, "shared_prefix_tokens"):
+        # The run's prompts began with what the server's prefix cache restored: predict the same.
+        serving = replace(serving, shared_prefix_tokens=run.cached_prompt_tokens)
     predicted = predicted_timeline(serving, run.prompt_tokens, run.output_tokens)
     comparisons = [compare("e2e", predicted.e2e_s, run.e2e_s, tolerance)]
     if run.engine == "ar":  # token by token in the planner and in the engine, so TTFT and ITL compare
@@ -160,7 +164,8 @@ def measured_runs(load: dict, default_kind: str = "ar") -> tuple[list[MeasuredRu
         runs.append(MeasuredRun(
             target=target, engine=kind, requests=int(run["successful"]),
             prompt_tokens=float(run[f"{prefix}_prompt_tokens"]), output_tokens=float(run[f"{prefix}_output_tokens"]),
-            lengths=prefix, e2e_s=e2e, ttft_s=_p50_s(run.get("ttft_ms")), itl_s=_p50_s(run.get("itl_ms"))))
+            lengths=prefix, e2e_s=e2e, ttft_s=_p50_s(run.get("ttft_ms")), itl_s=_p50_s(run.get("itl_ms")),
+            cached_prompt_tokens=float(run.get("mean_cached_prompt_tokens") or 0.0)))
     return runs, notes
 
 
