@@ -68,7 +68,11 @@ def test_batches_are_a_function_of_the_pool_start_in_any_process():
     assert all(torch.equal(a, b) for one, two in zip(maker(24), maker(24), strict=True)
                for a, b in zip(one, two, strict=True))
     here = list(islice(batch_stream(settings, tokenizer, 12), 2 * BUCKETS))
-    workers = list(islice(batch_stream(replace(settings, data_workers=2), tokenizer, 12), 2 * BUCKETS))
+    stream = batch_stream(replace(settings, data_workers=2), tokenizer, 12)
+    try:
+        workers = list(islice(stream, 2 * BUCKETS))
+    finally:  # close the worker pool now, as training does, not whenever the collector gets to it
+        stream.close()
     assert [index for _, index in here] == [24] * BUCKETS + [36] * BUCKETS  # resume at the pool's end
     for (one, index_one), (two, index_two) in zip(here, workers, strict=True):
         assert index_one == index_two
