@@ -255,9 +255,15 @@ def ragged_decode_layout(prefix: Tensor, valid_lengths: Tensor, kv_heads: int, g
     slots = ((torch.arange(batch, device=prefix.device)[:, None] * kv_heads + heads) * max_tokens
              + prefix[:, None]).flatten()
     valid = torch.arange(key_slots, device=prefix.device)[None, :] < (prefix + valid_lengths)[:, None]  # [B, S]
-    bias = torch.zeros(valid.shape, dtype=dtype, device=prefix.device).masked_fill_(~valid, float("-inf"))
-    return RaggedDecode(slots, bias[:, None, None, :].expand(batch, kv_heads, group, key_slots)
-                        .reshape(batch * kv_heads, group, key_slots))
+    return RaggedDecode(slots, grouped_bias(valid, kv_heads, group, dtype))
+
+
+def grouped_bias(valid: Tensor, kv_heads: int, group: int, dtype: torch.dtype) -> Tensor:
+    """[B, S] True where a row may attend -> the additive bias `ragged_decode_attention` takes,
+    [B * kv_heads, group, S]: 0 there, -inf elsewhere."""
+    batch, slots = valid.shape
+    bias = torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
+    return bias[:, None, None, :].expand(batch, kv_heads, group, slots).reshape(batch * kv_heads, group, slots)
 
 
 def ragged_decode_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
@@ -330,9 +336,7 @@ class Attention(nn.Module):
         elif isinstance(mask, RaggedDecode):
             out = ragged_decode_attention(q, k, v, mask.bias)
         elif length == 1 and mask is not None and not from_start:  # [B, 1, 1, S], True = may attend
-            group = c.num_heads // c.num_kv_heads
-            bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-            bias = bias.expand(batch, c.num_kv_heads, group, -1).reshape(batch * c.num_kv_heads, group, -1)
+            bias = grouped_bias(mask[:, 0, 0], c.num_kv_heads, c.num_heads // c.num_kv_heads, q.dtype)
             out = ragged_decode_attention(q, k, v, bias)
         else:
             out = F.scaled_dot_product_attention(

@@ -24,6 +24,7 @@ import httpx
 
 from nowait.bench.load_metrics import EngineRun, RequestRecord
 from nowait.bench.load_workload import LoadRequest
+from nowait.gateway.schemas import cached_tokens
 
 ROUTE_HEADER = "x-nowait-route"
 TERMINAL_BATCH_STATUSES = ("completed", "failed", "cancelled", "expired")
@@ -96,12 +97,6 @@ def _engine_runs(info: dict | None) -> tuple[EngineRun, ...]:
                               completion_tokens=int(tried.get("completion_tokens") or 0),
                               forwards=tried.get("forwards"), outcome=str(tried.get("outcome") or "")))
     return tuple(runs)
-
-
-def cached_tokens(usage: dict | None) -> int:
-    """`usage.prompt_tokens_details.cached_tokens` (OpenAI's field, vLLM's and nowait's too), or 0."""
-    details = (usage or {}).get("prompt_tokens_details")
-    return int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
 
 
 def _apply_nowait(record: RequestRecord, info: dict | None, route: str | None) -> None:

@@ -178,14 +178,16 @@ class LoadSession:
 
     # --- running ---
 
+    def _requests(self, docs: list) -> Iterator[LoadRequest]:
+        return request_stream(docs, self.s.max_tokens, self.s.use_schema, self.metadata(), self.s.system_prefix)
+
     async def _runs(self, target: Target) -> None:
         docs = self.documents()
-        requests = request_stream(docs, self.s.max_tokens, self.s.use_schema, self.metadata(), self.s.system_prefix)
+        requests = self._requests(docs)
         bounds = Bounds(self.s.max_requests, self.s.max_seconds)
         if self.s.warmup and not self.stop.is_set():
             self.progress.message(f"warming up {target.name} ...")
-            await target.send(next(request_stream(docs, self.s.max_tokens, self.s.use_schema, self.metadata(),
-                                                  self.s.system_prefix)), time.perf_counter())
+            await target.send(next(self._requests(docs)), time.perf_counter())
         if self.s.profile == "sweep":
             points = int(self.s.rates[0]) if self.s.rates else 5
             first = [RunSpec("synchronous", stage="synchronous"),

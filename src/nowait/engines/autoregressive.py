@@ -153,14 +153,12 @@ class AutoregressiveEngine:
         tokens = self.config.prefix_cache_tokens
         if block < 1:
             raise ValueError(f"prefix_block_size must be >= 1, got {block}")
-        if tokens is None:  # an eighth of the rows, and at least one row's worth (none if under a block)
+        if tokens is None:  # an eighth of the rows, and at least one row's worth (off if under a block)
             tokens = max(self.pool.rows * self.pool.max_tokens // 8, self.pool.max_tokens)
-            return PrefixCache(self.pool.caches[0], tokens // block, block) if tokens >= block else None
-        if tokens and tokens < block:
+            tokens = tokens if tokens >= block else 0
+        elif tokens < 0 or 0 < tokens < block:
             raise ValueError(f"prefix_cache_tokens must be 0 (off) or at least prefix_block_size ({block}), "
                              f"got {tokens}")
-        if tokens < 0:
-            raise ValueError(f"prefix_cache_tokens must be >= 0, got {tokens}")
         return PrefixCache(self.pool.caches[0], tokens // block, block) if tokens else None
 
     # --- hooks the speculative engine overrides ---

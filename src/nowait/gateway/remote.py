@@ -26,6 +26,7 @@ from nowait.gateway.domain import Attempt, Call
 from nowait.gateway.errors import APIError, forbidden_destination, queue_full
 from nowait.gateway.ledger import remote_cost_usd
 from nowait.gateway.metrics import EngineStats
+from nowait.gateway.schemas import cached_tokens
 from nowait.router import DataClass, RemoteEngine
 
 
@@ -113,8 +114,7 @@ class RemoteBackend:
                  first_token_s: float | None, chunks: int = 0) -> Attempt:
         usage = usage or {}
         prompt = int(usage.get("prompt_tokens") or 0)
-        details = usage.get("prompt_tokens_details")
-        cached = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+        cached = cached_tokens(usage)
         completion = int(usage.get("completion_tokens") or chunks)  # no usage: count the chunks
         cost = remote_cost_usd(prompt, completion, self.config.input_usd_per_mtok, self.config.output_usd_per_mtok)
         seconds = time.perf_counter() - started

@@ -113,6 +113,13 @@ class PromptTokensDetails(OpenAIObject):
     cached_tokens: int = 0  # prompt tokens served from the prefix cache instead of computed
 
 
+def cached_tokens(usage: dict | None) -> int:
+    """`usage.prompt_tokens_details.cached_tokens` of a server's answer (OpenAI's field, vLLM's and
+    nowait's too), or 0 when it says nothing or something else."""
+    details = (usage or {}).get("prompt_tokens_details")
+    return int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+
+
 class Usage(OpenAIObject):
     prompt_tokens: int
     completion_tokens: int
