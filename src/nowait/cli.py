@@ -13,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from nowait import paths
 from nowait.bench import bench_app
+from nowait.cli_errors import fail
 from nowait.demo.cli import register as register_demo
 from nowait.gateway.cli import register as register_serve
 from nowait.planner.cli import register as register_plan
@@ -36,12 +37,6 @@ class TrainKind(str, Enum):
     ar = "ar"
     draft = "draft"
     diffusion = "diffusion"
-
-
-def fail(message: str) -> None:
-    """One clear line on stderr and a non-zero exit; no traceback."""
-    typer.echo(f"error: {message}", err=True)  # plain: a wrapped line is two lines to a script
-    raise typer.Exit(code=2)
 
 
 @app.command()
@@ -169,7 +164,7 @@ def evaluate(
     """Decode N held-out documents and score the JSON: accuracy, validity, forwards and latency."""
     import torch
 
-    from nowait.engines.speculative import SPEC_METHODS
+    from nowait.engines.speculative.engine import SPEC_METHODS
     from nowait.evaluation import ENGINES, check_engine, diffusion_options, run_eval
 
     if engine not in ENGINES:
@@ -240,8 +235,8 @@ def _build_ar_engine(loaded, engine: str, batch_size: int, structured: bool, met
     """The serving engine `eval --engine spec` and `eval --engine ar --structured` run, or fail
     clearly: a missing draft, or one trained with another tokenizer than the target's."""
     from nowait.bench.ar_entries import build_ar_engine, build_spec_engine, spec_settings
-    from nowait.engines.autoregressive import EngineConfig
-    from nowait.engines.speculative import IncompatibleDraftError
+    from nowait.engines.ar.engine import EngineConfig
+    from nowait.engines.speculative.engine import IncompatibleDraftError
 
     if engine != "spec":
         return build_ar_engine(loaded.model, loaded.codec, structured, config=EngineConfig(max_num_seqs=batch_size))

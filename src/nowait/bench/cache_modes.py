@@ -17,7 +17,7 @@ import typer
 from nowait.bench import bench_app
 
 if TYPE_CHECKING:
-    from nowait.engines.diffusion_request import DiffusionOptions
+    from nowait.engines.diffusion.request import DiffusionOptions
     from nowait.extraction.corpus import Document
     from nowait.model import Transformer
     from nowait.tokenizer import TextCodec
@@ -41,7 +41,7 @@ def measure_cache_modes(model: Transformer, codec: TextCodec, docs: list[Documen
     import numpy as np
 
     from nowait.bench.ar_entries import completion_metrics, document_request
-    from nowait.engines.diffusion_engine import DiffusionEngine
+    from nowait.engines.diffusion.engine import DiffusionEngine
 
     engines = {name: DiffusionEngine(model, codec, options, max_batch=1) for name, options in configs.items()}
     completions: dict[str, list] = {name: [] for name in configs}
@@ -77,8 +77,8 @@ def cache_modes(
 
     from nowait import paths
     from nowait.checkpoints import CheckpointError, load_pretrained
-    from nowait.cli import fail
-    from nowait.engines.diffusion_request import DiffusionOptions
+    from nowait.cli_errors import fail
+    from nowait.engines.diffusion.request import DiffusionOptions
     from nowait.extraction.corpus import documents
 
     if n < 1:

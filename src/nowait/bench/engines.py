@@ -96,7 +96,7 @@ def ar_entry(ctx: BenchContext) -> dict:
 
 def reference_options():
     """LLaDA's reference schedule: one position per forward, blocks of 32, no cache."""
-    from nowait.engines.diffusion_request import DiffusionOptions
+    from nowait.engines.diffusion.request import DiffusionOptions
 
     return DiffusionOptions(policy="fixed", steps=None, block=32, template_block=32, cache="none")
 
@@ -110,7 +110,7 @@ def diffusion_reference_entry(ctx: BenchContext) -> dict:
 def diffusion_entry(ctx: BenchContext) -> dict:
     """The engine's fast default, free-form JSON (like `ar`), and the same run taking turns
     with plain AR on each document (`vs_ar_interleaved`)."""
-    from nowait.engines.diffusion_request import DiffusionOptions
+    from nowait.engines.diffusion.request import DiffusionOptions
 
     result = _diffusion(ctx, DiffusionOptions())
     if ctx.optional_model("ar") is not None:
@@ -127,8 +127,8 @@ def interleaved_vs_ar(ctx: BenchContext, options) -> dict:
     import numpy as np
 
     from nowait.bench.ar_entries import completion_metrics, document_request
-    from nowait.engines.autoregressive import greedy_decode
-    from nowait.engines.diffusion_engine import DiffusionEngine
+    from nowait.engines.ar.engine import greedy_decode
+    from nowait.engines.diffusion.engine import DiffusionEngine
     from nowait.extraction.scorer import score_document, summarize
 
     ar, diffusion = ctx.model("ar"), ctx.model("diffusion")
@@ -152,7 +152,7 @@ def interleaved_vs_ar(ctx: BenchContext, options) -> dict:
 @register_entry("diffusion-structured")
 def diffusion_structured_entry(ctx: BenchContext) -> dict:
     """The fast default filling each document kind's JSON Schema template."""
-    from nowait.engines.diffusion_request import DiffusionOptions
+    from nowait.engines.diffusion.request import DiffusionOptions
 
     return _diffusion(ctx, DiffusionOptions(), structured=True)
 
@@ -162,7 +162,7 @@ def spec_bench_entry(ctx: BenchContext) -> dict:
     """AR + the best speculative method at batch size 1 (diffusion drafter, hybrid, draft
     model, prompt lookup)."""
     from nowait.bench.ar_entries import spec_entry
-    from nowait.engines.speculative import check_draft, check_drafter_model
+    from nowait.engines.speculative.engine import check_draft, check_drafter_model
 
     loaded = ctx.model("ar")
     draft, draft_refused = _spec_helper(ctx, loaded, "draft", check_draft)
@@ -187,7 +187,7 @@ def _spec_helper(ctx: BenchContext, target: LoadedModel, role: str,
     matches (the AR model was retrained with a new tokenizer and it not yet) it is left out with
     the reason: the methods that need it are skipped, prompt lookup still runs.
     """
-    from nowait.engines.speculative import IncompatibleDraftError
+    from nowait.engines.speculative.engine import IncompatibleDraftError
 
     named = bool(ctx.model_paths.get(role))
     if named:
@@ -212,7 +212,7 @@ def fallback_bench_entry(ctx: BenchContext) -> dict:
     """A diffusion answer re-run on AR: decoded from scratch, or verified as a draft (not in the
     default entries: `--only fallback`)."""
     from nowait.bench.ar_entries import fallback_entry
-    from nowait.engines.speculative import check_draft, check_drafter_model
+    from nowait.engines.speculative.engine import check_draft, check_drafter_model
 
     loaded = ctx.model("ar")
     drafter, refused = _spec_helper(ctx, loaded, "diffusion", check_drafter_model)
@@ -286,7 +286,7 @@ def engines(
     default, and the fast default filling schema templates."""
     from rich.console import Console
 
-    from nowait.cli import fail
+    from nowait.cli_errors import fail
 
     if n < 1:
         fail("--n must be at least 1")

@@ -21,11 +21,7 @@ import typer
 
 from nowait.bench.load_runner import PROFILES, RunSpec, check_rates
 from nowait.bench.load_session import DATA_CLASSES, WORKLOADS, LoadSession, LoadSettings, Progress
-
-
-def _fail(message: str) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code=2)
+from nowait.cli_errors import fail
 
 
 def _names(text: str | None) -> list[str]:
@@ -38,7 +34,7 @@ def _rates(text: str | None) -> list[float]:
         try:
             rates.append(float(part))
         except ValueError:
-            _fail(f"--rate takes numbers separated by commas (got {part!r})")
+            fail(f"--rate takes numbers separated by commas (got {part!r})")
     return rates
 
 
@@ -84,65 +80,65 @@ def settings_from_arguments(**a) -> LoadSettings:
     from nowait.bench.load_workload import parse_kinds
 
     if (a["base_url"] is None) == (a["engine"] is None):
-        _fail("give exactly one target: --base-url URL (an OpenAI-compatible server) or --engine NAME (in process)")
+        fail("give exactly one target: --base-url URL (an OpenAI-compatible server) or --engine NAME (in process)")
     if a["model"] and a["engine"]:
-        _fail("--model names models at --base-url; with --engine the engine names are the models")
+        fail("--model names models at --base-url; with --engine the engine names are the models")
     if a["config"] is not None and a["base_url"] is not None:
-        _fail("--config configures in-process engines (--engine); a server at --base-url has its own")
+        fail("--config configures in-process engines (--engine); a server at --base-url has its own")
     if a["workload"] not in WORKLOADS:
-        _fail(f"unknown workload {a['workload']!r}; choose one of: {', '.join(WORKLOADS)}")
+        fail(f"unknown workload {a['workload']!r}; choose one of: {', '.join(WORKLOADS)}")
     if a["workload"] == "batch" and a["base_url"] is None:
-        _fail("the batch workload goes through the Batch API (/v1/files, /v1/batches): use --base-url")
+        fail("the batch workload goes through the Batch API (/v1/files, /v1/batches): use --base-url")
     if a["workload"] == "batch" and (a["profile"] is not None or a["rate"] is not None):
-        _fail("the batch workload submits one batch; --profile and --rate apply to the realtime workload")
+        fail("the batch workload submits one batch; --profile and --rate apply to the realtime workload")
     profile = a["profile"] or "synchronous"
     rates = _rates(a["rate"])
     try:
         check_rates(profile, rates)
     except ValueError as error:
-        _fail(str(error))
+        fail(str(error))
     if a["max_requests"] is not None and a["max_requests"] < 1:
-        _fail(f"--max-requests must be at least 1 (got {a['max_requests']})")
+        fail(f"--max-requests must be at least 1 (got {a['max_requests']})")
     if a["max_seconds"] is not None and not a["max_seconds"] > 0:
-        _fail(f"--max-seconds must be greater than 0 (got {a['max_seconds']:g})")
+        fail(f"--max-seconds must be greater than 0 (got {a['max_seconds']:g})")
     for flag, value in (("--max-tokens", a["max_tokens"]), ("--max-concurrency", a["max_concurrency"])):
         if value < 1:
-            _fail(f"{flag} must be at least 1 (got {value})")
+            fail(f"{flag} must be at least 1 (got {value})")
     for flag, value in (("--latency-target-ms", a["latency_target_ms"]), ("--request-timeout", a["request_timeout"])):
         if not value > 0:
-            _fail(f"{flag} must be greater than 0 (got {value:g})")
+            fail(f"{flag} must be greater than 0 (got {value:g})")
     if a["token_value"] < 0:
-        _fail(f"--token-value must be at least 0 (got {a['token_value']:g})")
+        fail(f"--token-value must be at least 0 (got {a['token_value']:g})")
     if a["data_class"] not in DATA_CLASSES:
-        _fail(f"unknown data class {a['data_class']!r}; choose one of: {', '.join(DATA_CLASSES)}")
+        fail(f"unknown data class {a['data_class']!r}; choose one of: {', '.join(DATA_CLASSES)}")
     if a["seed"] is None and a["split"] not in ("validation", "test"):
-        _fail(f"unknown split {a['split']!r}; choose validation or test (or give --seed)")
+        fail(f"unknown split {a['split']!r}; choose validation or test (or give --seed)")
     if a["profile_engine"] not in ("ar", "diffusion"):
-        _fail(f"--profile-engine must be ar or diffusion (got {a['profile_engine']!r})")
+        fail(f"--profile-engine must be ar or diffusion (got {a['profile_engine']!r})")
     try:
         kinds = parse_kinds(a["kinds"])
         base_url = normalize_base_url(a["base_url"]) if a["base_url"] is not None else None
     except (ValueError, TargetError) as error:
-        _fail(str(error))
+        fail(str(error))
     config = None
     engines = _names(a["engine"])
     if a["engine"] is not None:
         from nowait.gateway.config import ConfigError, default_config, load_config
 
         if not engines:
-            _fail("--engine needs at least one engine name")
+            fail("--engine needs at least one engine name")
         try:
             config = load_config(a["config"]) if a["config"] is not None else default_config()
         except ConfigError as error:
-            _fail(str(error))
+            fail(str(error))
     system_prefix = ""
     if a["system_prompt_file"] is not None:
         try:
             system_prefix = a["system_prompt_file"].read_text(encoding="utf-8").strip()
         except (OSError, UnicodeDecodeError) as error:
-            _fail(f"--system-prompt-file: cannot read {a['system_prompt_file']}: {error}")
+            fail(f"--system-prompt-file: cannot read {a['system_prompt_file']}: {error}")
         if not system_prefix:
-            _fail(f"--system-prompt-file: {a['system_prompt_file']} is empty")
+            fail(f"--system-prompt-file: {a['system_prompt_file']} is empty")
     # Bounds: both apply; without either, a run stops at 50 requests or 60 s.
     max_requests, max_seconds = a["max_requests"], a["max_seconds"]
     if max_requests is None and max_seconds is None:
@@ -217,7 +213,7 @@ def load(
             session.load_engines()
             asyncio.run(session.run())
         except TargetError as error:
-            _fail(str(error))
+            fail(str(error))
     result = session.report()
     profile_error = None
     if profile_out is not None:
@@ -248,7 +244,7 @@ def load(
     if result["interrupted"]:
         raise typer.Exit(code=130)
     if profile_error is not None:
-        _fail(profile_error)
+        fail(profile_error)
 
 
 def register(bench_app: typer.Typer) -> None:

@@ -137,7 +137,7 @@ def physics(
 
     from nowait import paths
     from nowait.checkpoints import CheckpointError, load_pretrained
-    from nowait.cli import fail
+    from nowait.cli_errors import fail
     from nowait.planner.hardware import measure_host
 
     if budget <= 0 or host_budget <= 0:

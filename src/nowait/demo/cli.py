@@ -6,10 +6,7 @@ from pathlib import Path
 
 import typer
 
-
-def _fail(message: str) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code=2)
+from nowait.cli_errors import fail
 
 
 def demo(
@@ -40,25 +37,25 @@ def demo(
     from nowait.gateway.config import ConfigError
 
     if not duration > 0:
-        _fail(f"--duration must be greater than 0 (got {duration:g})")
+        fail(f"--duration must be greater than 0 (got {duration:g})")
     if rate < 0:
-        _fail(f"--rate must be at least 0 (got {rate:g})")
+        fail(f"--rate must be at least 0 (got {rate:g})")
     for flag, value in (("--batch-size", batch_size), ("--loans", loans), ("--compare-every", compare_every)):
         if value is not None and value < 0:
-            _fail(f"{flag} must be at least 0 (got {value})")
+            fail(f"{flag} must be at least 0 (got {value})")
     if not latency_budget_ms > 0:
-        _fail(f"--latency-budget-ms must be greater than 0 (got {latency_budget_ms:g})")
+        fail(f"--latency-budget-ms must be greater than 0 (got {latency_budget_ms:g})")
     if config is not None and models is not None:
-        _fail("give --config or --models, not both (a config names its own models)")
+        fail("give --config or --models, not both (a config names its own models)")
     if models is not None and not models.is_dir():
-        _fail(f"--models {models}: no such directory")
+        fail(f"--models {models}: no such directory")
     plan = DemoPlan(duration_s=duration, realtime_rate=rate, compare_every=compare_every, batch_size=batch_size,
                     loans=loans, latency_budget_ms=latency_budget_ms, seed=seed)
     settings = DemoSettings(plan=plan, out_dir=out, config_file=config, models_dir=models, threads=threads, live=live)
     try:
         result = run_demo(settings)
     except (ConfigError, DemoError) as error:
-        _fail(str(error))
+        fail(str(error))
     if result.exit_code:
         raise typer.Exit(code=result.exit_code)
 
