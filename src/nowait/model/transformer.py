@@ -1,147 +1,30 @@
-"""One transformer of the Llama/Qwen2 family, causal (AR) or bidirectional (masked diffusion).
+"""The transformer's layers and forward: RMSNorm, rotary embeddings, attention, SwiGLU.
 
-RMSNorm, rotary position embeddings, SwiGLU, grouped-query attention, optional qkv bias, tied or
-untied embeddings: the parts Llama, Qwen2, LLaDA and Dream share. One `KVCache` serves
-incremental AR decode, a batch of sequences of different lengths, and a bidirectional forward
-over new tokens that reuses a prefix's keys/values (exact against a block-causal mask).
+The forward places new tokens after each row's cached prefix and picks the attention pattern
+(`nowait.model.attention`) once for every layer.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-
-@dataclass
-class ModelConfig:
-    vocab_size: int = 1024
-    hidden_size: int = 256
-    intermediate_size: int = 688
-    num_layers: int = 4
-    num_heads: int = 8
-    num_kv_heads: int = 4
-    head_dim: int | None = None  # hidden_size // num_heads unless a checkpoint says otherwise
-    rope_theta: float = 10000.0
-    # None: plain RoPE. {"rope_type": "llama3", ...}: Llama 3.1's frequency scaling (see
-    # `inverse_frequencies`); the only scaling nowait implements, checkpoints.py refuses others.
-    rope_scaling: dict | None = None
-    rms_norm_eps: float = 1e-5
-    qkv_bias: bool = False
-    tie_embeddings: bool = True
-    causal: bool = True
-    max_position: int = 1024
-    # Diffusion conventions, read from the checkpoint rather than assumed by the engines:
-    mask_token_id: int | None = None
-    logits_shift: bool = False  # Dream-style: logits at position i predict token i + 1
-    extra: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_heads
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError("num_heads must be a multiple of num_kv_heads")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict) -> ModelConfig:
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in known})
-
-    # --- cost model: the planner and benchmarks read these ---
-
-    def parameter_count(self, include_embeddings: bool = True) -> int:
-        d, hd = self.hidden_size, self.head_dim
-        attention = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
-        if self.qkv_bias:
-            attention += hd * (self.num_heads + 2 * self.num_kv_heads)
-        mlp = 3 * d * self.intermediate_size
-        per_layer = attention + mlp + 2 * d
-        total = per_layer * self.num_layers + d
-        if include_embeddings:
-            total += self.vocab_size * d * (1 if self.tie_embeddings else 2)
-        return total
-
-    def forward_cost(self, new_tokens: int, cached_tokens: int = 0, batch: int = 1,
-                     dtype_bytes: int = 2) -> ForwardCost:
-        """FLOPs and bytes moved for a forward of `new_tokens` over `cached_tokens` per sequence.
-
-        Matmuls: 2 FLOPs per weight per token. Attention: QK^T and AV, 4 * heads * head_dim
-        FLOPs per (query, key) pair. Bytes: every weight read once per forward (the reason AR
-        decode at batch 1 is memory-bound), the cache read, the new keys/values written, and
-        the activations entering and leaving each layer.
-        """
-        d, hd, layers = self.hidden_size, self.head_dim, self.num_layers
-        tokens = new_tokens * batch
-        linear_weights = self.parameter_count(include_embeddings=False) - (2 * layers + 1) * d
-        head_weights = self.vocab_size * d
-        keys_per_query = cached_tokens + new_tokens
-        attention_flops = 4 * self.num_heads * hd * new_tokens * keys_per_query * batch * layers
-        flops = 2 * (linear_weights + head_weights) * tokens + attention_flops
-        kv_per_token = 2 * self.num_kv_heads * hd * layers
-        weight_bytes = (self.parameter_count(include_embeddings=False) + head_weights) * dtype_bytes
-        cache_bytes = (cached_tokens * batch + tokens) * kv_per_token * dtype_bytes
-        activation_bytes = 2 * tokens * d * layers * dtype_bytes + tokens * self.vocab_size * dtype_bytes
-        return ForwardCost(flops=float(flops), bytes=float(weight_bytes + cache_bytes + activation_bytes))
-
-
-@dataclass(frozen=True)
-class ForwardCost:
-    flops: float
-    bytes: float
-
-    @property
-    def intensity(self) -> float:
-        """Arithmetic intensity, FLOPs per byte moved."""
-        return self.flops / self.bytes
-
-
-class KVCache:
-    """Keys and values of every layer for a batch of sequences of different lengths.
-
-    Stored head-major, [batch, kv_heads, slots, head_dim], so the keys attention reads for a row
-    and a head are one contiguous run: a batched decode step multiplies against slices of the
-    cache in place instead of copying them. `lengths[b]` counts the valid slots of row b.
-    Rolling back (speculative decoding) is lowering `lengths`; nothing is cleared.
-    """
-
-    def __init__(self, config: ModelConfig, batch: int, max_tokens: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        shape = (batch, config.num_kv_heads, max_tokens, config.head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
-        self.max_tokens = max_tokens
-
-    @property
-    def batch(self) -> int:
-        return self.lengths.shape[0]
-
-    def truncate(self, lengths: Tensor) -> None:
-        self.lengths = torch.minimum(self.lengths, lengths.to(self.lengths))
-
-    def view(self, start: int, rows: int) -> KVCache:
-        """Rows [start, start + rows) sharing this cache's storage (slices are views), so a
-        forward through the view writes keys/values in place. A forward replaces its cache's
-        `lengths` tensor rather than writing into it: copy the view's lengths back after it."""
-        view = KVCache.__new__(KVCache)
-        view.keys = [k[start: start + rows] for k in self.keys]
-        view.values = [v[start: start + rows] for v in self.values]
-        view.lengths = self.lengths[start: start + rows]
-        view.max_tokens = self.max_tokens
-        return view
-
-    def select(self, rows: Tensor) -> None:
-        """Keep only the given batch rows (in that order), e.g. when sequences finish."""
-        self.keys = [k[rows] for k in self.keys]
-        self.values = [v[rows] for v in self.values]
-        self.lengths = self.lengths[rows]
-
+from nowait.model.attention import (
+    CAUSAL_FROM_START,
+    AttentionPattern,
+    IsolatedPrefix,
+    RaggedDecode,
+    grouped_bias,
+    isolated_prefix_attention,
+    key_padding_mask,
+    ragged_decode_attention,
+    ragged_decode_layout,
+)
+from nowait.model.config import ModelConfig
+from nowait.model.kv_cache import KVCache
 
 # Inference (no gradients) reuses each fresh intermediate in place: the same operations on the
 # same numbers, bit for bit, without allocating and writing another tensor. At prefill sizes
@@ -204,90 +87,6 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         return (x.float() * cos + rotated.float() * sin).to(x.dtype)
     # In place, cos/sin must broadcast into x's shape (they always do: built from x's positions).
     return (x.float() * cos).add_(rotated.float().mul_(sin)).to(x.dtype)
-
-
-# The attention pattern of a causal forward over an empty cache (a prompt's prefill): every
-# query sees the keys up to its own, which `is_causal` gives without a mask. Right padding
-# needs none either: a real token only sees earlier, real ones, and the padding's outputs and
-# keys are never read. An explicit [B, 1, T, T] mask costs the CPU kernel several times more.
-CAUSAL_FROM_START = "causal-from-start"
-
-
-@dataclass(frozen=True)
-class IsolatedPrefix:
-    """The attention pattern of a diffusion request's first forward over prompt and window: the
-    first `queries` new tokens (the prompt) attend only to the first `keys` slots (the cache
-    before them and themselves); the later ones (the window) attend to every slot. Exactly what
-    a prompt prefill followed by a window refresh computes, in one forward."""
-
-    queries: int
-    keys: int
-
-
-def isolated_prefix_attention(q: Tensor, k: Tensor, v: Tensor, pattern: IsolatedPrefix, gqa: bool) -> Tensor:
-    """q [B, H, T, D], k and v [B, kv_heads, S, D] -> [B, H, T, D] under `pattern`.
-
-    Two unmasked kernels, one per part: with an explicit [T, S] mask the CPU kernel costs more
-    than the two forwards this pattern replaces (measured when the merge was first tried)."""
-    head = F.scaled_dot_product_attention(q[:, :, : pattern.queries], k[:, :, : pattern.keys],
-                                          v[:, :, : pattern.keys], enable_gqa=gqa)
-    tail = F.scaled_dot_product_attention(q[:, :, pattern.queries:], k, v, enable_gqa=gqa)
-    return torch.cat([head, tail], dim=2)
-
-
-@dataclass(frozen=True)
-class RaggedDecode:
-    """One new token per row over rows of different lengths (a continuous-batching decode step),
-    laid out once per forward for every layer: `slots` [B * kv_heads], where each row's new key
-    goes in the cache flattened to [B * kv_heads * max_tokens, D]; `bias` [B * kv_heads, group, S],
-    0 on a row's valid keys and -inf past them (`group` query heads share a key head)."""
-
-    slots: Tensor
-    bias: Tensor
-
-
-def ragged_decode_layout(prefix: Tensor, valid_lengths: Tensor, kv_heads: int, group: int, max_tokens: int,
-                         key_slots: int, dtype: torch.dtype = torch.float32) -> RaggedDecode:
-    """`RaggedDecode` for rows holding `prefix[b]` cached tokens plus `valid_lengths[b]` (0 or 1)
-    new ones, their caches `max_tokens` slots long; the bias in the model's `dtype`."""
-    batch = prefix.shape[0]
-    heads = torch.arange(kv_heads, device=prefix.device)
-    slots = ((torch.arange(batch, device=prefix.device)[:, None] * kv_heads + heads) * max_tokens
-             + prefix[:, None]).flatten()
-    valid = torch.arange(key_slots, device=prefix.device)[None, :] < (prefix + valid_lengths)[:, None]  # [B, S]
-    return RaggedDecode(slots, grouped_bias(valid, kv_heads, group, dtype))
-
-
-def grouped_bias(valid: Tensor, kv_heads: int, group: int, dtype: torch.dtype) -> Tensor:
-    """[B, S] True where a row may attend -> the additive bias `ragged_decode_attention` takes,
-    [B * kv_heads, group, S]: 0 there, -inf elsewhere."""
-    batch, slots = valid.shape
-    bias = torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
-    return bias[:, None, None, :].expand(batch, kv_heads, group, slots).reshape(batch * kv_heads, group, slots)
-
-
-def ragged_decode_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
-    """One new token per row over its cached keys: q [B, 1, H, D], k and v [B, kv_heads, S, D]
-    (slices of the cache), bias [B * kv_heads, group, S] (`RaggedDecode`) -> [B, 1, H, D].
-
-    The query heads that share a key head are stacked as rows of one matrix product, so the
-    cache is read where it lies (scaled_dot_product_attention with a mask and grouped heads
-    copies the keys and values per query head first, which at 64 rows was most of a step),
-    and the mask, the scale and the product are one kernel (baddbmm): at 64 rows the step
-    reads the cache from memory, and every extra pass over the scores costs a visible share.
-    """
-    batch, _, heads, dim = q.shape
-    kv_heads, slots = k.shape[1], k.shape[2]
-    grouped = q.reshape(batch * kv_heads, heads // kv_heads, dim)
-    scores = torch.baddbmm(bias.to(q.dtype), grouped, k.reshape(batch * kv_heads, slots, dim).transpose(1, 2),
-                           alpha=dim**-0.5)
-    out = torch.bmm(scores.softmax(-1), v.reshape(batch * kv_heads, slots, dim))
-    return out.reshape(batch, 1, heads, dim)
-
-
-# What a forward's attention follows, decided once for every layer: None (the config's default),
-# a boolean mask [B, 1, T, S] (True = may attend), CAUSAL_FROM_START, IsolatedPrefix, RaggedDecode.
-AttentionPattern = Tensor | str | IsolatedPrefix | RaggedDecode | None
 
 
 class Attention(nn.Module):
@@ -495,22 +294,6 @@ class Transformer(nn.Module):
             mask = mask.clone()
             mask[:, :, key_slots:] &= causal
         return mask[:, None], None, key_slots
-
-
-def key_padding_mask(valid_lengths: Tensor, length: int) -> Tensor:
-    """[B, T] True where a key is a real token, False on right padding."""
-    return torch.arange(length, device=valid_lengths.device)[None, :] < valid_lengths[:, None]
-
-
-def block_causal_mask(prefix_length: int, total_length: int, device: torch.device | str = "cpu") -> Tensor:
-    """[T, T]: the prefix attends only to itself; the tokens after it attend to everything.
-
-    This is the attention pattern under which caching a prompt's keys/values once and reusing
-    them for every diffusion step over the answer is exact rather than an approximation.
-    """
-    mask = torch.ones(total_length, total_length, dtype=torch.bool, device=device)
-    mask[:prefix_length, prefix_length:] = False
-    return mask
 
 
 def count_parameters(model: nn.Module) -> int:
