@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 from nowait.router import DataClass, RouteRequest
 
 if TYPE_CHECKING:
-    from nowait.gateway.metrics import EngineStats
+    from nowait.gateway.engine_stats import EngineStats
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ import httpx
 
 from nowait.gateway.config import RemoteEngineConfig
 from nowait.gateway.domain import Attempt, Call
+from nowait.gateway.engine_stats import EngineStats
 from nowait.gateway.errors import APIError, forbidden_destination, queue_full
 from nowait.gateway.ledger import remote_cost_usd
-from nowait.gateway.metrics import EngineStats
 from nowait.gateway.schemas import cached_tokens
 from nowait.router import DataClass, RemoteEngine
 
