@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from nowait import paths
-from nowait.engines.autoregressive import AutoregressiveEngine, EngineConfig, greedy_decode
+from nowait.engines.ar.engine import AutoregressiveEngine, EngineConfig, greedy_decode
+from nowait.engines.ar.runner import length_groups
+from nowait.engines.ar.sampling import token_probability
 from nowait.engines.base import Engine, GenerationRequest, InvalidRequestError, SamplingParams
-from nowait.engines.runner import length_groups
-from nowait.engines.sampling import token_probability
 from nowait.model import KVCache
 from nowait.tokenizer import TextCodec
 from tests.conftest import build_model
@@ -203,7 +203,7 @@ def test_the_models_shortcuts_give_the_same_logits(model):
 def test_confidence_counts_the_stop_decision(codec):
     """An answer that ends on a stop token reports the stop token's probability among its
     decisions, as the diffusion engine counts its closing end token."""
-    from nowait.engines.sequence import Sequence
+    from nowait.engines.ar.sequence import Sequence
 
     seq = Sequence(0, GenerationRequest([5, 6], SamplingParams(max_tokens=5)), frozenset({0}), capacity=16,
                    generator=None)

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from nowait.engines.base import Engine, GenerationRequest, InvalidRequestError, SamplingParams
-from nowait.engines.diffusion import reference_decode
-from nowait.engines.diffusion_cache import forward_spans, prefill
-from nowait.engines.diffusion_engine import DiffusionEngine
-from nowait.engines.diffusion_request import DiffusionOptions
-from nowait.engines.diffusion_row import RowState
+from nowait.engines.diffusion.cache import forward_spans, prefill
+from nowait.engines.diffusion.engine import DiffusionEngine
+from nowait.engines.diffusion.reference import reference_decode
+from nowait.engines.diffusion.request import DiffusionOptions
+from nowait.engines.diffusion.row import RowState
 from nowait.model import block_causal_mask
 
 from .conftest import build_model

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nowait.engines.diffusion_policies import (
+from nowait.engines.diffusion.policies import (
     choose_commits,
     commit_above_threshold,
     commit_by_factor,

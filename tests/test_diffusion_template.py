@@ -10,9 +10,9 @@ import jsonschema
 import pytest
 
 from nowait.engines.base import GenerationRequest, InvalidRequestError, SamplingParams
-from nowait.engines.diffusion_engine import DiffusionEngine
-from nowait.engines.structured import SchemaTemplateError, TemplateCompiler
-from nowait.engines.token_automaton import (
+from nowait.engines.diffusion.engine import DiffusionEngine
+from nowait.engines.structured.templates import SchemaTemplateError, TemplateCompiler
+from nowait.engines.structured.token_automaton import (
     PatternError,
     SlotAutomaton,
     compile_language,
@@ -157,7 +157,7 @@ def test_schemas_a_template_cannot_express_are_refused(codec, engine, schema, fr
 def test_a_date_slot_holds_real_dates_only():
     import datetime
 
-    from nowait.engines.structured import ISO_DATE
+    from nowait.engines.structured.templates import ISO_DATE
 
     language = compile_language(ISO_DATE)
     for text in ["2024-02-29", "2000-02-29", "2023-02-28", "2023-12-31", "2023-04-30", "1996-02-29",
@@ -171,7 +171,7 @@ def test_a_date_slot_holds_real_dates_only():
 
 
 def test_enum_options_are_narrowed_by_the_other_keywords(codec):
-    from nowait.engines.structured import value_language
+    from nowait.engines.structured.templates import value_language
 
     narrowed = compile_language(value_language("a", {"type": "string", "enum": ["abc", "abcdefgh"], "maxLength": 4},
                                                100))

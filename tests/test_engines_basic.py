@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nowait.engines.autoregressive import greedy_decode
-from nowait.engines.diffusion import commit_most_confident, reference_decode, window_logits
+from nowait.engines.ar.engine import greedy_decode
+from nowait.engines.diffusion.reference import commit_most_confident, reference_decode, window_logits
 
 END_ID, MASK_ID = 0, 1
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from nowait.engines.autoregressive import AutoregressiveEngine, EngineConfig
+from nowait.engines.ar.engine import AutoregressiveEngine, EngineConfig
+from nowait.engines.ar.prefix_cache import PrefixCache
 from nowait.engines.base import GenerationRequest, SamplingParams
-from nowait.engines.prefix_cache import PrefixCache
 from nowait.model import KVCache
 from tests.conftest import build_model
 

@@ -17,7 +17,7 @@ from torch.testing import assert_close
 from nowait.checkpoint_files import tensor_names, weight_files
 from nowait.checkpoints import CheckpointError, load_pretrained
 from nowait.conventions import apply_chat_template, encode_prompt
-from nowait.engines.diffusion import window_logits
+from nowait.engines.diffusion.reference import window_logits
 from nowait.generate import generate_once
 from nowait.model import KVCache
 

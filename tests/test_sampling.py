@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nowait.engines.base import InvalidRequestError, SamplingParams
-from nowait.engines.sampling import (
+from nowait.engines.ar.sampling import (
     SamplingBatch,
     apply_temperature,
     choose_tokens,
@@ -15,6 +14,7 @@ from nowait.engines.sampling import (
     token_probability,
     truncate_top_k_top_p,
 )
+from nowait.engines.base import InvalidRequestError, SamplingParams
 
 
 def batch_of(*params: SamplingParams) -> SamplingBatch:
@@ -108,7 +108,7 @@ def test_top_p_of_one_keeps_every_token():
 
 
 def test_a_tiny_temperature_is_the_argmax_not_nan():
-    from nowait.engines.diffusion_policies import propose_tokens
+    from nowait.engines.diffusion.policies import propose_tokens
 
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1)) * 5
     probs = sampling_distribution(logits, batch_of(*[SamplingParams(temperature=1e-40)] * 3))

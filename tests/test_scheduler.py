@@ -6,9 +6,9 @@ import random
 
 import pytest
 
+from nowait.engines.ar.scheduler import QueueFullError, Scheduler, SchedulerConfig
+from nowait.engines.ar.sequence import Sequence, SequenceStatus
 from nowait.engines.base import GenerationRequest, SamplingParams
-from nowait.engines.scheduler import QueueFullError, Scheduler, SchedulerConfig
-from nowait.engines.sequence import Sequence, SequenceStatus
 
 
 def make_seq(seq_id: int, prompt: int, max_tokens: int) -> Sequence:
@@ -128,7 +128,7 @@ def test_max_waiting_counts_only_requests_beyond_the_free_rows():
 
 
 def test_generate_past_the_queue_withdraws_what_it_submitted(codec):
-    from nowait.engines.autoregressive import AutoregressiveEngine, EngineConfig
+    from nowait.engines.ar.engine import AutoregressiveEngine, EngineConfig
     from tests.conftest import build_model
 
     engine = AutoregressiveEngine(build_model(0, vocab_size=codec.vocab_size), codec,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nowait.engines.autoregressive import AutoregressiveEngine, EngineConfig
+from nowait.engines.ar.engine import AutoregressiveEngine, EngineConfig
 from nowait.engines.base import GenerationRequest, SamplingParams
-from nowait.engines.speculative import (
+from nowait.engines.speculative.engine import (
     IncompatibleDraftError,
     PromptLookup,
     SpeculativeConfig,
@@ -428,7 +428,7 @@ def test_propose_from_draft_never_proposes_past_the_draft():
 
 @pytest.fixture(scope="module")
 def drafter(codec):
-    from nowait.engines.diffusion_engine import DiffusionEngine
+    from nowait.engines.diffusion.engine import DiffusionEngine
 
     model = build_model(5, vocab_size=codec.vocab_size, causal=False, mask_token_id=codec.mask_id)
     return DiffusionEngine(model, codec, max_batch=4)
@@ -523,7 +523,7 @@ def test_a_prompt_that_leaves_the_drafter_no_room_decodes_without_proposals(code
 
 def test_a_drafter_that_cannot_serve_the_target_is_refused(codec, codec_target, drafter):
     from nowait.engines.base import InvalidRequestError
-    from nowait.engines.diffusion_engine import DiffusionEngine
+    from nowait.engines.diffusion.engine import DiffusionEngine
 
     with pytest.raises(IncompatibleDraftError, match="diffusion drafter"):
         SpeculativeEngine(codec_target, codec, speculative=SpeculativeConfig(method="diffusion"))

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from nowait import paths
-from nowait.engines.structured import (
+from nowait.engines.structured.templates import (
     DATE_SLOT_WIDTH,
     SchemaTemplateError,
     build_template,

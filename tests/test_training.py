@@ -7,7 +7,7 @@ from itertools import pairwise
 import pytest
 import torch
 
-from nowait.engines.diffusion import window_logits
+from nowait.engines.diffusion.reference import window_logits
 from nowait.extraction.corpus import documents
 from nowait.model import ModelConfig, Transformer
 from nowait.tokenizer import extraction_prompt

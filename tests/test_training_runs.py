@@ -9,7 +9,7 @@ from itertools import islice
 import torch
 
 from nowait import paths
-from nowait.engines.diffusion_cache import forward_spans, prefill
+from nowait.engines.diffusion.cache import forward_spans, prefill
 from nowait.extraction.corpus import training_range, training_stream
 from nowait.tokenizer import TextCodec
 from nowait.training import (

@@ -16,11 +16,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from nowait.engines.autoregressive import greedy_decode
+from nowait.engines.ar.engine import greedy_decode
 from nowait.engines.base import GenerationRequest, SamplingParams
-from nowait.engines.diffusion import reference_decode
-from nowait.engines.diffusion_engine import DiffusionEngine
-from nowait.engines.diffusion_request import DiffusionOptions
+from nowait.engines.diffusion.engine import DiffusionEngine
+from nowait.engines.diffusion.reference import reference_decode
+from nowait.engines.diffusion.request import DiffusionOptions
 from nowait.extraction.corpus import KINDS, Document, documents, schema_for
 from nowait.extraction.scorer import parse_json_object, schema_valid, score_document, summarize
 from nowait.model import Transformer
@@ -250,7 +250,7 @@ def extract(model: Transformer, codec: TextCodec, document: str, kind: str | Non
         ids = decode_prompts(model, codec, [prompt], stats=stats)[0]
     else:
         from nowait.engines.base import GenerationRequest, SamplingParams
-        from nowait.engines.diffusion_engine import DiffusionEngine
+        from nowait.engines.diffusion.engine import DiffusionEngine
 
         [completion] = DiffusionEngine(model, codec).generate(
             [GenerationRequest(prompt, SamplingParams(max_tokens=ANSWER_WINDOW))])

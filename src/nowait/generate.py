@@ -12,10 +12,10 @@ import time
 
 from nowait.checkpoints import LoadedModel
 from nowait.conventions import apply_chat_template, encode_prompt
-from nowait.engines.autoregressive import AutoregressiveEngine, EngineConfig
+from nowait.engines.ar.engine import AutoregressiveEngine, EngineConfig
 from nowait.engines.base import Completion, GenerationRequest, InvalidRequestError, SamplingParams
-from nowait.engines.diffusion_engine import DiffusionEngine
-from nowait.engines.diffusion_request import DiffusionOptions
+from nowait.engines.diffusion.engine import DiffusionEngine
+from nowait.engines.diffusion.request import DiffusionOptions
 
 
 def build_engine(loaded: LoadedModel, max_model_len: int | None = None, max_batch: int = 1,

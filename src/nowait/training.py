@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from nowait.checkpoints import load_pretrained, save_pretrained
-from nowait.engines.diffusion import window_logits
-from nowait.engines.structured import Template, build_template, fill_template
+from nowait.engines.diffusion.reference import window_logits
+from nowait.engines.structured.templates import Template, build_template, fill_template
 from nowait.evaluation import ANSWER_WINDOW, evaluate_model
 from nowait.extraction.corpus import (
     KINDS,

@@ -15,9 +15,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from nowait.engines.autoregressive import AutoregressiveEngine, EngineConfig, greedy_decode
+from nowait.engines.ar.engine import AutoregressiveEngine, EngineConfig, greedy_decode
 from nowait.engines.base import Completion, GenerationRequest, SamplingParams
-from nowait.engines.speculative import (
+from nowait.engines.speculative.engine import (
     SPEC_METHODS,
     SPEC_SETTINGS,
     SpeculativeConfig,
@@ -33,7 +33,7 @@ from nowait.tokenizer import TextCodec, extraction_prompt
 
 def grammar_for(model: Transformer, codec: TextCodec):
     """A JSON Schema grammar compiler for this model's vocabulary (imports llguidance)."""
-    from nowait.engines.grammar import GrammarCompiler
+    from nowait.engines.structured.grammar import GrammarCompiler
 
     return GrammarCompiler.from_codec(codec, vocab_size=model.config.vocab_size)
 

@@ -39,10 +39,10 @@ def _engine(model: Transformer, codec: TextCodec, prompts: list[list[int]], conc
             max_tokens: int, max_num_batched_tokens: int):
     """The checkpoint's kind of engine, sized for these requests."""
     if not model.config.causal:
-        from nowait.engines.diffusion_engine import DiffusionEngine
+        from nowait.engines.diffusion.engine import DiffusionEngine
 
         return DiffusionEngine(model, codec, max_batch=max(concurrency))
-    from nowait.engines.autoregressive import AutoregressiveEngine, EngineConfig
+    from nowait.engines.ar.engine import AutoregressiveEngine, EngineConfig
 
     # Rows sized for these requests, not for the model's longest context: memory is rows x length.
     max_model_len = min(model.config.max_position, max(len(p) for p in prompts) + max_tokens + 1)

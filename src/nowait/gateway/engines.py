@@ -36,12 +36,12 @@ import torch
 from nowait import paths
 from nowait.checkpoints import CheckpointError, LoadedModel, load_pretrained
 from nowait.conventions import ModelConventions, apply_chat_template, encode_prompt
-from nowait.engines.autoregressive import AutoregressiveEngine, EngineConfig
+from nowait.engines.ar.engine import AutoregressiveEngine, EngineConfig
+from nowait.engines.ar.sequence import Sequence
 from nowait.engines.base import Completion, GenerationRequest, InvalidRequestError, SamplingParams
-from nowait.engines.diffusion_engine import DiffusionEngine
-from nowait.engines.diffusion_request import DiffusionOptions
-from nowait.engines.sequence import Sequence
-from nowait.engines.speculative import IncompatibleDraftError, SpeculativeEngine, build_drafter
+from nowait.engines.diffusion.engine import DiffusionEngine
+from nowait.engines.diffusion.request import DiffusionOptions
+from nowait.engines.speculative.engine import IncompatibleDraftError, SpeculativeEngine, build_drafter
 from nowait.gateway.config import ArEngineConfig, DiffusionEngineConfig, SpecEngineConfig
 from nowait.gateway.domain import Attempt, Call
 from nowait.gateway.errors import APIError, bad_request, engine_unavailable, queue_full, timed_out
@@ -52,7 +52,7 @@ from nowait.router import DataClass
 from nowait.tokenizer import TextCodec
 
 if TYPE_CHECKING:
-    from nowait.engines.grammar import GrammarCompiler
+    from nowait.engines.structured.grammar import GrammarCompiler
 
 log = logging.getLogger("nowait.gateway")
 
@@ -627,7 +627,7 @@ class ModelCache:
 
 
 def _grammar(loaded: LoadedModel) -> GrammarCompiler:
-    from nowait.engines.grammar import GrammarCompiler  # llguidance only when structured output is on
+    from nowait.engines.structured.grammar import GrammarCompiler  # llguidance only when structured output is on
 
     return GrammarCompiler.from_codec(loaded.codec, vocab_size=loaded.model.config.vocab_size,
                                       end_id=loaded.conventions.end_id)

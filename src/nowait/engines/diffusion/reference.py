@@ -2,7 +2,7 @@
 
 This module holds the reference sampler training's evaluation uses and the two helpers the
 engine shares with it; the serving engine (parallel commit policies, caches, batching, template
-infilling) is `diffusion_engine.DiffusionEngine` (see docs/engines-diffusion.md).
+infilling) is `nowait.engines.diffusion.engine.DiffusionEngine` (see docs/engines-diffusion.md).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from nowait.engines.diffusion import commit_most_confident
+from nowait.engines.diffusion.reference import commit_most_confident
 
 POLICIES = ("fixed", "threshold", "factor")
 SCORES = ("probability", "margin", "entropy")

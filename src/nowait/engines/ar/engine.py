@@ -20,17 +20,17 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from nowait.engines.ar.prefix_cache import PrefixCache
+from nowait.engines.ar.runner import CachePool, ModelRunner
+from nowait.engines.ar.sampling import SamplingBatch, choose_tokens, mask_logits, token_probability
+from nowait.engines.ar.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from nowait.engines.ar.sequence import Sequence
 from nowait.engines.base import Completion, GenerationRequest, InvalidRequestError, StreamChunk
-from nowait.engines.prefix_cache import PrefixCache
-from nowait.engines.runner import CachePool, ModelRunner
-from nowait.engines.sampling import SamplingBatch, choose_tokens, mask_logits, token_probability
-from nowait.engines.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from nowait.engines.sequence import Sequence
 from nowait.model import KVCache, Transformer
 from nowait.tokenizer import TextCodec
 
 if TYPE_CHECKING:  # llguidance is imported only by engines that constrain output
-    from nowait.engines.grammar import GrammarCompiler
+    from nowait.engines.structured.grammar import GrammarCompiler
 
 
 @torch.no_grad()
@@ -87,12 +87,12 @@ def resolve_end_ids(codec: TextCodec | None, end_id: int | None,
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Caps of the continuous-batching engine (see `nowait.engines.scheduler`).
+    """Caps of the continuous-batching engine (see `nowait.engines.ar.scheduler`).
 
     `max_model_len`: prompt + output tokens one sequence may hold (default: the model's
     `max_position`); each cache row is sized for it, so memory is rows x max_model_len.
     `prefix_cache_tokens`: prompt tokens whose keys/values the prefix cache keeps for later
-    prompts that start alike (`nowait.engines.prefix_cache`); default an eighth of the rows'
+    prompts that start alike (`nowait.engines.ar.prefix_cache`); default an eighth of the rows'
     tokens and at least one row's, 0 turns it off. `prefix_block_size`: the unit of sharing.
     """
 

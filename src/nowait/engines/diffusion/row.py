@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from nowait.engines.base import Completion, Timings
-from nowait.engines.diffusion_cache import cut_slots, keep_slot_runs, slot_runs
-from nowait.engines.diffusion_policies import (
+from nowait.engines.diffusion.cache import cut_slots, keep_slot_runs, slot_runs
+from nowait.engines.diffusion.policies import (
     choose_commits,
     filter_top_k_top_p,
     fixed_count,
@@ -26,8 +26,8 @@ from nowait.engines.diffusion_policies import (
     propose_tokens,
     token_probability,
 )
-from nowait.engines.diffusion_request import DecodePlan
-from nowait.engines.structured import read_template
+from nowait.engines.diffusion.request import DecodePlan
+from nowait.engines.structured.templates import read_template
 from nowait.model import KVCache
 from nowait.tokenizer import TextCodec
 

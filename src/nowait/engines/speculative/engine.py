@@ -60,23 +60,23 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from nowait.engines.autoregressive import AutoregressiveEngine, EngineConfig
-from nowait.engines.base import Completion, GenerationRequest, SamplingParams
-from nowait.engines.runner import ModelRunner
-from nowait.engines.sampling import (
+from nowait.engines.ar.engine import AutoregressiveEngine, EngineConfig
+from nowait.engines.ar.runner import ModelRunner
+from nowait.engines.ar.sampling import (
     SamplingBatch,
     mask_logits,
     sample_from,
     sampling_distribution,
     token_probability,
 )
-from nowait.engines.scheduler import ScheduledBatch
-from nowait.engines.sequence import Sequence
+from nowait.engines.ar.scheduler import ScheduledBatch
+from nowait.engines.ar.sequence import Sequence
+from nowait.engines.base import Completion, GenerationRequest, SamplingParams
 from nowait.model import Transformer
 from nowait.tokenizer import TextCodec
 
 if TYPE_CHECKING:  # the diffusion engine loads only where a drafter is given
-    from nowait.engines.diffusion_engine import DiffusionEngine
+    from nowait.engines.diffusion.engine import DiffusionEngine
 
 SpeculativeMethod = Literal["draft", "ngram", "hybrid", "diffusion"]
 log = logging.getLogger(__name__)
@@ -277,7 +277,7 @@ def build_drafter(model: Transformer, codec: TextCodec, max_batch: int = 4,
     """The diffusion engine that drafts answers for method diffusion (its fast default; the
     speculative settings' `drafter_tau` goes with each drafting request). A causal model is
     refused as a drafter, like any draft that cannot serve (IncompatibleDraftError)."""
-    from nowait.engines.diffusion_engine import DiffusionEngine
+    from nowait.engines.diffusion.engine import DiffusionEngine
 
     if model.config.causal:
         raise IncompatibleDraftError("the drafter is causal (AR); method diffusion needs a diffusion model")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from nowait.engines.sequence import Sequence
+from nowait.engines.ar.sequence import Sequence
 from nowait.model import KVCache, Transformer
 
 

@@ -15,8 +15,8 @@ import torch
 from nowait.engines.base import Completion, FinishReason, GenerationRequest, Timings
 
 if TYPE_CHECKING:
-    from nowait.engines.grammar import SchemaMatcher
-    from nowait.engines.speculative import PromptLookup
+    from nowait.engines.speculative.engine import PromptLookup
+    from nowait.engines.structured.grammar import SchemaMatcher
 
 
 class SequenceStatus(Enum):

@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from nowait.engines.base import Completion, GenerationRequest, StreamChunk
-from nowait.engines.diffusion_cache import (
+from nowait.engines.diffusion.cache import (
     forward_spans,
     output_window,
     prefill,
@@ -38,9 +38,9 @@ from nowait.engines.diffusion_cache import (
     stack_caches,
     take_rows,
 )
-from nowait.engines.diffusion_request import DecodePlan, DiffusionOptions, plan_request
-from nowait.engines.diffusion_row import RowState
-from nowait.engines.structured import TemplateCompiler
+from nowait.engines.diffusion.request import DecodePlan, DiffusionOptions, plan_request
+from nowait.engines.diffusion.row import RowState
+from nowait.engines.structured.templates import TemplateCompiler
 from nowait.model import KVCache, Transformer
 from nowait.tokenizer import TextCodec
 

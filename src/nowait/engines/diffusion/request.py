@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from nowait.engines.base import GenerationRequest, InvalidRequestError
-from nowait.engines.diffusion_policies import POLICIES, SCORES, is_probability
-from nowait.engines.structured import ConstrainedTemplate, SchemaTemplateError, TemplateCompiler
+from nowait.engines.diffusion.policies import POLICIES, SCORES, is_probability
+from nowait.engines.structured.templates import ConstrainedTemplate, SchemaTemplateError, TemplateCompiler
 from nowait.model import ModelConfig
 
 # none: every step recomputes prompt + window (the exact reference).
@@ -129,7 +129,7 @@ def plan_request(request: GenerationRequest, defaults: DiffusionOptions, config:
 
     `end_ids`: the model's end-of-text ids; free-form answers end at any of them (and at the
     request's stop ids). Template slots are padded with the tokenizer's <|endoftext|>, the one
-    end token `nowait.engines.structured` knows, so a template needs the tokenizer to have it.
+    end token `nowait.engines.structured.templates` knows, so a template needs the tokenizer to have it.
     """
     prompt = list(request.prompt_ids)
     if not prompt:

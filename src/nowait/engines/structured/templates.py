@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from jsonschema import Draft202012Validator
 
-from nowait.engines.token_automaton import (
+from nowait.engines.structured.token_automaton import (
     Node,
     PatternError,
     SlotAutomaton,

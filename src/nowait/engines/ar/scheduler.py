@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
-from nowait.engines.sequence import Sequence, SequenceStatus
+from nowait.engines.ar.sequence import Sequence, SequenceStatus
 
 
 class QueueFullError(RuntimeError):
