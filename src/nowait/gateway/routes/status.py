@@ -1,0 +1,57 @@
+"""What the server says about itself: `GET /v1/models[/{id}]` (the router model and every available
+engine), and, with no API key needed, `GET /healthz`, `/readyz` and `/metrics`."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from nowait.gateway.errors import APIError
+from nowait.gateway.schemas import ModelCard, ModelList
+from nowait.gateway.service import Gateway, gateway_of
+
+router = APIRouter()
+
+
+@router.get("/healthz")
+async def healthz() -> dict:
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+async def readyz(request: Request) -> JSONResponse:
+    gateway = gateway_of(request)
+    engines = {name: {"kind": b.kind, "available": b.available, "reason": b.unavailable_reason or None,
+                      "running": b.running(), "waiting": b.waiting()} for name, b in gateway.backends.items()}
+    ready = gateway.ready()
+    routing = {"confidence_threshold": gateway.policy.confidence_threshold,
+               "confidence_threshold_source": gateway.threshold_source,
+               "fallback_engine": gateway.config.routing.fallback_engine}
+    return JSONResponse({"status": "ready" if ready else "not_ready", "engines": engines, "routing": routing},
+                        status_code=200 if ready else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    gateway = gateway_of(request)
+    gateway.metrics.refresh(gateway.backends.values(), gateway.policy)
+    return Response(gateway.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def model_cards(gateway: Gateway) -> list[ModelCard]:
+    cards = [ModelCard(id=gateway.config.server.router_model, kind="router")]
+    return cards + [ModelCard(id=name, kind=b.kind) for name, b in gateway.backends.items() if b.available]
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict:
+    return ModelList(data=model_cards(gateway_of(request))).model_dump()
+
+
+@router.get("/v1/models/{model_id}")
+async def get_model(model_id: str, request: Request) -> dict:
+    for card in model_cards(gateway_of(request)):
+        if card.id == model_id:
+            return card.model_dump()
+    raise APIError(404, f"The model `{model_id}` does not exist", param="model", code="model_not_found")
