@@ -24,8 +24,8 @@ from nowait.planner.calibration import (
     relative_error,
 )
 from nowait.planner.engines import AutoregressiveServing
+from nowait.planner.fleets import build_fleets
 from nowait.planner.hardware import Accelerator
-from nowait.planner.plan import build_fleets
 from nowait.planner.profile import Profile, fit_profile
 from nowait.planner.scenario import load_scenario
 from tests.planner_support import planner_app

@@ -60,7 +60,7 @@ def test_a_verifying_fallback_rechecks_the_answer_instead_of_decoding_it():
     at a full batch is about AR's (compute-bound either way), so the fleet's cost barely moves;
     the diffusion answers themselves are planned as before."""
     from nowait.planner.engines import request_seconds
-    from nowait.planner.plan import build_fleets
+    from nowait.planner.fleets import build_fleets
 
     scenario = load_scenario(BANK)
     verifying = scenario.model_copy(deep=True)
@@ -101,7 +101,7 @@ def test_a_shared_prompt_prefix_shortens_the_ar_engines_prefill_and_not_diffusio
     """A 1,500-token system prompt before every 2,000-token request: the AR engines restore it
     from the prefix cache and prefill the rest over it; diffusion computes all of it."""
     from nowait.planner import parse_scenario
-    from nowait.planner.plan import build_fleets, with_shared_prefix
+    from nowait.planner.fleets import build_fleets, with_shared_prefix
 
     workload = {"name": "policy-chat", "arrival_rate_per_s": 4, "input_tokens": 2000, "output_tokens": 100,
                 "p99_latency_s": 10, "token_value_usd_per_mtok": 1}

@@ -82,7 +82,7 @@ def _print_check(check) -> None:
 def _run_check(loaded, measured, scenario: Path, profile: Path | None, load: Path, as_json: bool) -> None:
     """--check: the planner's batch-1 latency per engine against a load test; exit 1 past the tolerance."""
     from nowait.planner.calibration import CalibrationError, check_latency, load_measurements, measured_runs, to_json
-    from nowait.planner.plan import build_fleets
+    from nowait.planner.fleets import build_fleets
     from nowait.planner.profile import fit_profile
 
     try:

@@ -4,72 +4,27 @@ For each engine the planner (1) finds the smallest p99 target the engine can hol
 request alone, batch 1), (2) picks the largest batch cap whose full-batch latency still fits the
 target, and the next one up, (3) searches the fewest nodes whose simulated p99 holds the target at
 the workload's arrival rate, never planning a fleet fuller than `simulation.max_utilization`, and
-(4) prices the fleet by the cost identity, folding in the diffusion fallback.
+(4) prices the fleet by the cost identity, folding in the diffusion fallback. The engines are built
+in `fleets`, steps (1)-(4) run in `engine_plan`; this module routes each workload and gathers the plan.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from nowait.planner import cost
-from nowait.planner.capacity import FleetSearch, Request, SimulationResult, make_requests, poisson_arrivals, simulate
-from nowait.planner.capacity import smallest_fleet as search_fleet
-from nowait.planner.engines import (
-    ENGINES,
-    AutoregressiveServing,
-    DiffusionServing,
-    ServingModel,
-    SpeculativeServing,
-    request_seconds,
-    single_stream_tokens_per_s,
-)
-from nowait.planner.engines import replica_tokens_per_s as replica_throughput
+from nowait.planner.capacity import Request, make_requests, poisson_arrivals
+from nowait.planner.engine_plan import EnginePlan, batched_ar_cost_per_mtok, fold_fallback, p99_all_answers, plan_engine
+from nowait.planner.engines import ENGINES, request_seconds
+from nowait.planner.fleets import EngineFleet, build_fleets, with_shared_prefix
 from nowait.planner.profile import FittedStepTime, Profile, fit_profile
-from nowait.planner.roofline import Deployment, ForwardTimer, RooflineTimer, ScaledTimer, check_fits
-from nowait.planner.scenario import Scenario, ScenarioError, Workload
+from nowait.planner.scenario import Scenario, Workload
 from nowait.router import Decision, RouteRequest, route
 
 REFERENCE_API_PRICES = (0.4, 1.0, 5.0, 15.0)  # mission.md: small API model < $1/Mtok, frontier output $5-15/Mtok
-
-
-@dataclass(frozen=True)
-class EngineFleet:
-    """How to build one engine at a given batch cap, with its roofline-ideal twin for the ceiling."""
-
-    name: str
-    make: Callable[[int], ServingModel]
-    make_ideal: Callable[[int], ServingModel]
-    replicas_per_node: int
-    max_batch: int
-    deployment: Deployment
-
-
-@dataclass
-class EnginePlan:
-    engine: str
-    feasible: bool
-    batch: int
-    nodes: int | None
-    replicas_per_node: int
-    single_stream_tokens_per_s: float
-    roofline_ceiling_tokens_per_s: float
-    tokens_per_s_per_node: float
-    p50_latency_s: float | None
-    p99_latency_s: float
-    min_p99_target_s: float
-    utilization: float | None
-    cost_per_mtok_usd: float | None
-    own_cost_per_mtok_usd: float | None = None
-    cost_per_request_usd: float | None = None
-    fallback_rate: float = 0.0
-    fallback_latency_s: float | None = None
-    fallback_mode: str = "decode"  # how a re-run works: decode on AR, or verify the answer as a draft
-    note: str = ""
-    simulated_arrivals: int = 0  # of the run that found the fleet: at least simulation.requests
 
 
 @dataclass(frozen=True)
@@ -106,97 +61,6 @@ class Plan:
     fitted: dict[str, FittedStepTime] = field(default_factory=dict)
 
 
-# --- building the engines --------------------------------------------------------------------------------
-
-
-def _deployment(scenario: Scenario, model_ref, field_name: str) -> Deployment:
-    deployment = Deployment(model=model_ref.spec, accelerator=scenario.accelerator, node=scenario.node,
-                            dtype=scenario.dtype, tensor_parallel=scenario.tensor_parallel,
-                            efficiency=scenario.efficiency.to_efficiency())
-    problem = check_fits(deployment)
-    if problem:
-        raise ScenarioError(f"{field_name}: {problem}: raise tensor_parallel, use a smaller dtype or a larger node")
-    return deployment
-
-
-def build_fleets(scenario: Scenario, fitted: dict[str, FittedStepTime] | None = None,
-                 profile: Profile | None = None) -> dict[str, EngineFleet]:
-    """The three owned engines, timed by the roofline or, where the profile has them, by measurements."""
-    fitted = fitted or {}
-    settings = scenario.engines
-    target = _deployment(scenario, scenario.model, "model")
-    diffusion_model = settings.diffusion.model or scenario.model
-    diffusion = _deployment(scenario, diffusion_model, "engines.diffusion.model")
-    draft = (_deployment(scenario, settings.spec.draft_model, "engines.spec.draft_model")
-             if settings.spec.draft_model else None)
-
-    def timer(name: str, deployment: Deployment) -> ForwardTimer:
-        return fitted.get(name) or RooflineTimer(deployment)
-
-    def draft_timer(target_timer: ForwardTimer, ideal: bool) -> ForwardTimer:
-        if draft is not None:
-            return RooflineTimer(draft.ideal()) if ideal else timer("draft", draft)
-        if "draft" in fitted and not ideal:
-            return fitted["draft"]
-        return ScaledTimer(target_timer, settings.spec.draft_cost_ratio)
-
-    spec_parameters = settings.spec.model_copy()
-    diffusion_parameters = settings.diffusion.model_copy()
-    if profile is not None:  # measured engine parameters win over the scenario's assumptions
-        measured = profile.engine_parameters
-        for key in ("acceptance_rate", "gamma"):
-            if getattr(measured.spec, key) is not None:
-                setattr(spec_parameters, key, getattr(measured.spec, key))
-        for key in ("tokens_per_forward", "fallback_rate"):
-            if getattr(measured.diffusion, key) is not None:
-                setattr(diffusion_parameters, key, getattr(measured.diffusion, key))
-
-    target_budget = target.kv_token_budget()
-    spec_budget = target_budget
-    if draft is not None:  # both models share the replica's memory
-        free = target.usable_memory_bytes() - target.model.weight_bytes(target.dtype_bytes) \
-            - draft.model.weight_bytes(draft.dtype_bytes)
-        spec_budget = free / (target.model.kv_bytes_per_token(target.dtype_bytes)
-                              + draft.model.kv_bytes_per_token(draft.dtype_bytes))
-    diffusion_budget = diffusion.kv_token_budget()
-
-    def ar(cap: int, ideal: bool = False) -> ServingModel:
-        t = RooflineTimer(target.ideal()) if ideal else timer("ar", target)
-        return AutoregressiveServing(target=t, max_batch=cap, kv_token_budget=target_budget)
-
-    def spec(cap: int, ideal: bool = False) -> ServingModel:
-        t = RooflineTimer(target.ideal()) if ideal else timer("ar", target)
-        return SpeculativeServing(target=t, draft=draft_timer(t, ideal), gamma=spec_parameters.gamma,
-                                  acceptance_rate=spec_parameters.acceptance_rate, max_batch=cap,
-                                  kv_token_budget=spec_budget)
-
-    def diff(cap: int, ideal: bool = False) -> ServingModel:
-        t = RooflineTimer(diffusion.ideal()) if ideal else timer("diffusion", diffusion)
-        p = diffusion_parameters
-        return DiffusionServing(model=t, block_width=p.block_width, tokens_per_forward=p.tokens_per_forward,
-                                cache=p.cache, max_batch=cap, kv_token_budget=diffusion_budget)
-
-    def verify(cap: int, ideal: bool = False) -> ServingModel:
-        # A fallback that verifies the doubted diffusion answer: a speculative target whose draft
-        # is free (the answer exists already), checking verify_gamma tokens per forward.
-        t = RooflineTimer(target.ideal()) if ideal else timer("ar", target)
-        p = diffusion_parameters
-        return SpeculativeServing(target=t, draft=ScaledTimer(t, 0.0), gamma=p.verify_gamma,
-                                  acceptance_rate=p.verify_acceptance, max_batch=cap, kv_token_budget=target_budget,
-                                  name="verify")
-
-    builders = {"ar": (ar, target, settings.ar.max_batch), "spec": (spec, target, spec_parameters.max_batch),
-                "diffusion": (diff, diffusion, diffusion_parameters.max_batch),
-                "verify": (verify, target, settings.ar.max_batch)}
-    return {name: EngineFleet(name=name, make=build, make_ideal=lambda cap, build=build: build(cap, True),
-                              replicas_per_node=deployment.replicas_per_node, max_batch=max_batch,
-                              deployment=deployment)
-            for name, (build, deployment, max_batch) in builders.items()}
-
-
-# --- planning one engine for one workload ----------------------------------------------------------------
-
-
 def sample_requests(workload: Workload, count: int, seed: int) -> list[Request]:
     rng = np.random.default_rng(seed)
     arrivals = poisson_arrivals(workload.rate_per_s, count, rng)
@@ -206,151 +70,6 @@ def sample_requests(workload: Workload, count: int, seed: int) -> list[Request]:
 def at_rate(requests: list[Request], multiplier: float) -> list[Request]:
     """The same requests arriving `multiplier` times as fast (still Poisson: a rescaled Poisson process)."""
     return [replace(r, arrival_s=r.arrival_s / multiplier) for r in requests]
-
-
-def batch_ladder(max_batch: int, kv_cap: int) -> list[int]:
-    top = max(1, min(max_batch, kv_cap))
-    ladder = [b for b in (2**k for k in range(0, 20)) if b < top]
-    return [*ladder, top]
-
-
-def _percentile(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q))
-
-
-MAX_SIMULATED_ARRIVALS = 200_000
-
-
-def plan_engine(fleet: EngineFleet, requests: list[Request], arrival_rate_per_s: float, target_p99_s: float,
-                node_usd_per_hour: float, max_utilization: float, warmup_fraction: float,
-                resample: Callable[[int], list[Request]] | None = None) -> EnginePlan:
-    """The cheapest fleet of this engine that holds the p99 target. `resample(count)`: the same
-    workload with more arrivals, asked for when the run that found the fleet was too short for
-    its requests' lifetimes (`SimulationResult.steady`): four times as many, up to
-    MAX_SIMULATED_ARRIVALS, and the search runs again."""
-    inputs = [r.input_tokens for r in requests]
-    outputs = [r.output_tokens for r in requests]
-    mean_in, mean_out = float(np.mean(inputs)), float(np.mean(outputs))
-    offered_tokens_per_s = arrival_rate_per_s * mean_out
-    alone = fleet.make(1)
-    single = single_stream_tokens_per_s(alone, mean_in, mean_out)
-    ceiling = single_stream_tokens_per_s(fleet.make_ideal(1), mean_in, mean_out)
-    floor = _percentile([request_seconds(alone, 1, r.input_tokens, r.output_tokens) for r in requests], 99)
-
-    def node_tokens_per_s(serving: ServingModel, cap: int) -> float:
-        return fleet.replicas_per_node * replica_throughput(serving, cap, mean_in, mean_out)
-
-    if floor > target_p99_s:
-        return EnginePlan(
-            engine=fleet.name, feasible=False, batch=1, nodes=None, replicas_per_node=fleet.replicas_per_node,
-            single_stream_tokens_per_s=single, roofline_ceiling_tokens_per_s=ceiling,
-            tokens_per_s_per_node=node_tokens_per_s(alone, 1), p50_latency_s=None, p99_latency_s=floor,
-            min_p99_target_s=floor, utilization=None, cost_per_mtok_usd=None,
-            note=f"infeasible: even alone a request's p99 is {floor:.2f} s > the {target_p99_s:g} s target",
-        )
-
-    kv_cap = int(alone.kv_token_budget // max(alone.kv_tokens(mean_in, mean_out), 1)) \
-        if math.isfinite(alone.kv_token_budget) else fleet.max_batch
-    ladder = batch_ladder(fleet.max_batch, kv_cap)
-    in99, out99 = _percentile(inputs, 99), _percentile(outputs, 99)
-    holding = [cap for cap in ladder if request_seconds(fleet.make(cap), cap, in99, out99) <= target_p99_s]
-    largest = holding[-1] if holding else 1
-    candidates = [cap for cap in ladder if cap >= largest][:2]
-
-    best: tuple[int, int, FleetSearch, float] | None = None  # (nodes, cap, search, node tokens/s)
-    for cap in candidates:
-        serving = fleet.make(cap)
-        throughput = node_tokens_per_s(serving, cap)
-        lower = math.ceil(offered_tokens_per_s / (max_utilization * throughput) - 1e-9)
-
-        def run(nodes: int, serving: ServingModel = serving) -> SimulationResult:
-            return simulate(serving, nodes * fleet.replicas_per_node, requests, warmup_fraction)
-
-        found = search_fleet(run, target_p99_s, lower, limit=lower * 32 + 64)
-        if found.nodes is None:
-            continue
-        key = (found.nodes, found.result.p99_latency_s)
-        if best is None or key < (best[0], best[2].result.p99_latency_s):
-            best = (found.nodes, cap, found, throughput)
-    if best is None:
-        return EnginePlan(
-            engine=fleet.name, feasible=False, batch=1, nodes=None, replicas_per_node=fleet.replicas_per_node,
-            single_stream_tokens_per_s=single, roofline_ceiling_tokens_per_s=ceiling,
-            tokens_per_s_per_node=node_tokens_per_s(alone, 1), p50_latency_s=None, p99_latency_s=floor,
-            min_p99_target_s=floor, utilization=None, cost_per_mtok_usd=None,
-            note="infeasible: no fleet within the search limit holds the target under queueing",
-        )
-    nodes, cap, found, throughput = best
-    if not found.result.steady and resample is not None and len(requests) < MAX_SIMULATED_ARRIVALS:
-        longer = resample(min(MAX_SIMULATED_ARRIVALS, 4 * len(requests)))
-        return plan_engine(fleet, longer, arrival_rate_per_s, target_p99_s, node_usd_per_hour, max_utilization,
-                           warmup_fraction, resample)
-    used = cost.utilization(offered_tokens_per_s, nodes, throughput)
-    per_mtok = cost.cost_per_mtok(node_usd_per_hour, throughput, used)
-    return EnginePlan(
-        engine=fleet.name, feasible=True, batch=cap, nodes=nodes, replicas_per_node=fleet.replicas_per_node,
-        single_stream_tokens_per_s=single, roofline_ceiling_tokens_per_s=ceiling, tokens_per_s_per_node=throughput,
-        p50_latency_s=found.result.p50_latency_s, p99_latency_s=found.result.p99_latency_s, min_p99_target_s=floor,
-        utilization=used, cost_per_mtok_usd=per_mtok, own_cost_per_mtok_usd=per_mtok,
-        cost_per_request_usd=per_mtok * mean_out / 1e6, simulated_arrivals=len(requests),
-        note="" if found.result.steady else "the simulation stayed short of steady state at the arrival cap: "
-                                            "p99 may be optimistic",
-    )
-
-
-def batched_ar_cost_per_mtok(fleet: EngineFleet, mean_in: float, mean_out: float, node_usd_per_hour: float,
-                             max_utilization: float) -> float:
-    """AR at its largest batch, as full as the plan allows: what a re-run on AR costs per Mtok."""
-    alone = fleet.make(1)
-    kv_cap = int(alone.kv_token_budget // max(alone.kv_tokens(mean_in, mean_out), 1)) \
-        if math.isfinite(alone.kv_token_budget) else fleet.max_batch
-    cap = batch_ladder(fleet.max_batch, kv_cap)[-1]
-    throughput = fleet.replicas_per_node * replica_throughput(fleet.make(cap), cap, mean_in, mean_out)
-    return cost.cost_per_mtok(node_usd_per_hour, throughput, max_utilization)
-
-
-def p99_all_answers(diffusion: EnginePlan) -> float | None:
-    """The p99 over every answer, re-runs included: once more than 1% of answers fall back, the
-    slowest 1% are re-runs, so it is the re-run's latency (`p99_latency_s` covers the diffusion
-    answers that stand, which is what the fleet is sized for)."""
-    if diffusion.fallback_latency_s is not None and diffusion.fallback_rate > 0.01:
-        return diffusion.fallback_latency_s
-    return diffusion.p99_latency_s
-
-
-def fold_fallback(diffusion: EnginePlan, fallback_rate: float, ar_usd_per_mtok: float, ar_seconds: float,
-                  mode: str = "decode", target_p99_s: float | None = None) -> None:
-    diffusion.fallback_rate = fallback_rate
-    diffusion.fallback_mode = mode
-    if not diffusion.feasible or diffusion.own_cost_per_mtok_usd is None:
-        return
-    own = diffusion.own_cost_per_mtok_usd
-    diffusion.cost_per_mtok_usd = cost.with_fallback(own, fallback_rate, ar_usd_per_mtok)
-    if own > 0:  # a free node (price 0) has no own cost to scale: its per-request cost stays as planned
-        diffusion.cost_per_request_usd = diffusion.cost_per_mtok_usd * (diffusion.cost_per_request_usd or 0) / own
-    diffusion.fallback_latency_s = diffusion.p99_latency_s + ar_seconds
-    everything = p99_all_answers(diffusion)
-    if target_p99_s is not None and everything is not None and everything > target_p99_s:
-        note = (f"p99 over all answers, re-runs included, is {everything:.3g} s > the {target_p99_s:g} s target: "
-                f"{fallback_rate:.0%} of answers are re-run")
-        diffusion.note = f"{diffusion.note}; {note}" if diffusion.note else note
-
-
-# --- the whole scenario ----------------------------------------------------------------------------------
-
-
-def with_shared_prefix(fleets: dict[str, EngineFleet], tokens: float) -> dict[str, EngineFleet]:
-    """The fleets as they serve a workload whose prompts share their first `tokens`: the AR
-    engines (ar, spec, and the verify re-run on the same target) restore them from the prefix
-    cache; the diffusion engine reads its prompt both ways and has no prefix to share."""
-    if not tokens:
-        return fleets
-
-    def sharing(build: Callable[[int], ServingModel]) -> Callable[[int], ServingModel]:
-        return lambda cap: replace(build(cap), shared_prefix_tokens=tokens)
-
-    return {name: replace(fleet, make=sharing(fleet.make), make_ideal=sharing(fleet.make_ideal))
-            if name in ("ar", "spec", "verify") else fleet for name, fleet in fleets.items()}
 
 
 def plan_workload(scenario: Scenario, fleets: dict[str, EngineFleet], workload: Workload,

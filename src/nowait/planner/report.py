@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 
 from nowait.planner import cost
+from nowait.planner.engine_plan import batch_ladder
 from nowait.planner.engines import ENGINES, request_seconds
-from nowait.planner.plan import Plan, WorkloadPlan, batch_ladder, nodes_at_rates
+from nowait.planner.plan import Plan, WorkloadPlan, nodes_at_rates
 from nowait.planner.roofline import forward_time, ridge_intensity
 from nowait.plots import finish_figure, label_axis, pyplot, save_figure
 
