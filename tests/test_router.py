@@ -12,6 +12,9 @@ from nowait.router import (
     RouteRequest,
     RoutingPolicy,
     check_destination,
+    failover,
+    pin,
+    restrict_to_available,
     route,
     should_fall_back,
 )
@@ -97,3 +100,84 @@ def test_no_restricted_request_is_ever_routed_to_a_remote_engine():
 def test_policy_rejects_engines_it_does_not_own():
     with pytest.raises(ValidationError, match="fast_engine"):
         RoutingPolicy(fast_engine="mercury")
+
+
+# The reason is the sentence the audit log keeps for every request: an auditor reads it to see why
+# a document went where it went, so its wording is part of the contract, not decoration.
+@pytest.mark.parametrize(("routed", "engine", "rule", "fallback", "reason"), [
+    (request(batchable=True, value=0.1, budget_ms=None), "ar", "batch", None,
+     "marked batchable: AR with continuous batching is already efficient there, whatever the token value "
+     "($0.1/Mtok)"),
+    (request(value=0.5, budget_ms=800), "diffusion", "fast", "ar",
+     "latency-bound (a 800 ms budget) and low value ($0.5/Mtok): diffusion clears a request in a few parallel "
+     "passes; answers below confidence 0.9 re-run on ar"),
+    (request(value=0.5, budget_ms=None), "diffusion", "fast", "ar",
+     "latency-bound (no stated budget) and low value ($0.5/Mtok): diffusion clears a request in a few parallel "
+     "passes; answers below confidence 0.9 re-run on ar"),
+    (request(value=20.0), "frontier-api", "frontier", None,
+     "high value ($20/Mtok >= $5/Mtok) and internal data may go to frontier-api: the frontier model"),
+    (request(value=20.0, data_class=DataClass.restricted), "spec", "frontier", None,
+     "high value ($20/Mtok >= $5/Mtok) and restricted data never leaves the building: the owned frontier engine"),
+])
+def test_each_branch_states_its_reason_for_the_audit_log(routed, engine, rule, fallback, reason):
+    decision = route(routed, POLICY)
+    assert (decision.engine, decision.rule, decision.fallback_engine, decision.reason) == (
+        engine, rule, fallback, reason)
+
+
+def test_a_long_budget_states_it_can_wait_and_the_boundary_is_inclusive():
+    patient = POLICY.model_copy(update={"batchable_budget_ms": 60_000})
+    decision = route(request(budget_ms=60_000), patient)
+    assert (decision.engine, decision.rule) == ("ar", "batch")
+    assert decision.reason.startswith("a 60000 ms budget can wait for a batch (>= 60000 ms): ")
+    assert route(request(budget_ms=59_999), patient).rule == "fast"
+
+
+def test_high_value_with_no_remote_configured_says_so():
+    owned_only = POLICY.model_copy(update={"remote_frontier_engines": ()})
+    decision = route(request(value=20.0, data_class=DataClass.public), owned_only)
+    assert (decision.engine, decision.rule) == ("spec", "frontier")
+    assert decision.reason == ("high value ($20/Mtok >= $5/Mtok) and no remote frontier engine is configured: "
+                               "the owned frontier engine")
+
+
+def test_latency_bound_work_goes_to_the_batch_engine_when_no_fast_engine_is_available():
+    without_fast = POLICY.model_copy(update={"fast_engine": None})
+    decision = route(request(value=0.5), without_fast)
+    assert (decision.engine, decision.rule, decision.fallback_engine) == ("ar", "fast", None)
+    assert decision.reason == "latency-bound but no fast (diffusion) engine is available: AR"
+
+
+def test_a_pinned_fast_engine_keeps_its_confidence_fallback():
+    decision = pin("diffusion", POLICY)
+    assert (decision.engine, decision.rule, decision.fallback_engine) == ("diffusion", "pinned", "ar")
+    assert decision.reason == "the caller asked for diffusion; answers below confidence 0.9 re-run on ar"
+    other = pin("spec", POLICY)
+    assert (other.engine, other.rule, other.fallback_engine, other.reason) == (
+        "spec", "pinned", None, "the caller asked for spec")
+
+
+def test_check_destination_names_the_refused_class_and_engine():
+    with pytest.raises(DataClassViolation) as refused:
+        check_destination("frontier-api", DataClass.restricted, POLICY)
+    assert str(refused.value) == "restricted data may not be sent to remote engine 'frontier-api'"
+
+
+def test_failover_sends_a_failed_remote_to_the_owned_frontier_and_owned_failures_nowhere():
+    assert failover("frontier-api", POLICY) == "spec"
+    assert failover("diffusion", POLICY) is None
+    assert failover("ar", POLICY) is None
+
+
+def test_restrict_to_available_drops_only_what_cannot_serve():
+    second = RemoteEngine(name="second-api")
+    policy = POLICY.model_copy(update={"remote_frontier_engines": (FRONTIER_API, second)})
+    everything = restrict_to_available(policy, {"ar", "spec", "diffusion", "frontier-api", "second-api"})
+    assert everything.fast_engine == "diffusion"
+    assert everything.remote_frontier_engines == (FRONTIER_API, second)
+    degraded = restrict_to_available(policy, {"ar", "spec", "second-api"})
+    assert degraded.fast_engine is None
+    assert degraded.remote_frontier_engines == (second,)
+    # the owned batch, fallback and frontier engines stay named even when down
+    assert (degraded.batch_engine, degraded.fallback_engine, degraded.owned_frontier_engine) == ("ar", "ar", "spec")
+    assert policy.fast_engine == "diffusion"  # the original policy is left as it was
