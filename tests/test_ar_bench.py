@@ -14,7 +14,7 @@ from nowait.bench.ar_entries import (
 )
 from nowait.bench.batching import measure_batching, split_turns
 from nowait.engines.ar.engine import AutoregressiveEngine, EngineConfig
-from nowait.engines.speculative.engine import IncompatibleDraftError
+from nowait.engines.speculative import IncompatibleDraftError
 from nowait.extraction.corpus import documents
 from nowait.tokenizer import TextCodec, train_tokenizer
 from tests.conftest import build_model

@@ -14,7 +14,7 @@ import yaml
 from typer.testing import CliRunner
 
 from nowait.bench.gateway import register as register_bench
-from nowait.engines.speculative.engine import SPEC_SETTINGS
+from nowait.engines.speculative import SPEC_SETTINGS
 from nowait.gateway.cli import register as register_serve
 from nowait.gateway.config import ConfigError, default_config, load_config, parse_config
 from nowait.gateway.ledger import owned_cost_usd, remote_cost_usd

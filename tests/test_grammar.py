@@ -11,7 +11,7 @@ import torch
 from nowait import paths
 from nowait.engines.ar.engine import AutoregressiveEngine
 from nowait.engines.base import GenerationRequest, InvalidRequestError, SamplingParams
-from nowait.engines.speculative.engine import SpeculativeConfig, SpeculativeEngine
+from nowait.engines.speculative import SpeculativeConfig, SpeculativeEngine
 from nowait.engines.structured.grammar import GrammarCompiler
 from nowait.extraction.corpus import KINDS, documents, schema_for
 from nowait.tokenizer import TextCodec

@@ -7,19 +7,19 @@ import torch
 
 from nowait.engines.ar.engine import AutoregressiveEngine, EngineConfig
 from nowait.engines.base import GenerationRequest, SamplingParams
-from nowait.engines.speculative.engine import (
+from nowait.engines.speculative import (
     IncompatibleDraftError,
     PromptLookup,
     SpeculativeConfig,
     SpeculativeEngine,
     expected_tokens_per_pass,
     greedy_accept,
-    proposal_distributions,
     propose_from_draft,
     propose_ngram,
     should_speculate,
     speculative_accept,
 )
+from nowait.engines.speculative.acceptance import proposal_distributions
 from tests.conftest import build_model, swapped_codec
 
 END = 0

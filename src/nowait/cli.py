@@ -164,7 +164,7 @@ def evaluate(
     """Decode N held-out documents and score the JSON: accuracy, validity, forwards and latency."""
     import torch
 
-    from nowait.engines.speculative.engine import SPEC_METHODS
+    from nowait.engines.speculative import SPEC_METHODS
     from nowait.evaluation import ENGINES, check_engine, diffusion_options, run_eval
 
     if engine not in ENGINES:
@@ -236,7 +236,7 @@ def _build_ar_engine(loaded, engine: str, batch_size: int, structured: bool, met
     clearly: a missing draft, or one trained with another tokenizer than the target's."""
     from nowait.bench.ar_entries import build_ar_engine, build_spec_engine, spec_settings
     from nowait.engines.ar.engine import EngineConfig
-    from nowait.engines.speculative.engine import IncompatibleDraftError
+    from nowait.engines.speculative import IncompatibleDraftError
 
     if engine != "spec":
         return build_ar_engine(loaded.model, loaded.codec, structured, config=EngineConfig(max_num_seqs=batch_size))

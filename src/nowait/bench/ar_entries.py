@@ -17,7 +17,7 @@ import numpy as np
 
 from nowait.engines.ar.engine import AutoregressiveEngine, EngineConfig, greedy_decode
 from nowait.engines.base import Completion, GenerationRequest, SamplingParams
-from nowait.engines.speculative.engine import (
+from nowait.engines.speculative import (
     SPEC_METHODS,
     SPEC_SETTINGS,
     SpeculativeConfig,

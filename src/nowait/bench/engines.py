@@ -162,7 +162,7 @@ def spec_bench_entry(ctx: BenchContext) -> dict:
     """AR + the best speculative method at batch size 1 (diffusion drafter, hybrid, draft
     model, prompt lookup)."""
     from nowait.bench.ar_entries import spec_entry
-    from nowait.engines.speculative.engine import check_draft, check_drafter_model
+    from nowait.engines.speculative import check_draft, check_drafter_model
 
     loaded = ctx.model("ar")
     draft, draft_refused = _spec_helper(ctx, loaded, "draft", check_draft)
@@ -187,7 +187,7 @@ def _spec_helper(ctx: BenchContext, target: LoadedModel, role: str,
     matches (the AR model was retrained with a new tokenizer and it not yet) it is left out with
     the reason: the methods that need it are skipped, prompt lookup still runs.
     """
-    from nowait.engines.speculative.engine import IncompatibleDraftError
+    from nowait.engines.speculative import IncompatibleDraftError
 
     named = bool(ctx.model_paths.get(role))
     if named:
@@ -212,7 +212,7 @@ def fallback_bench_entry(ctx: BenchContext) -> dict:
     """A diffusion answer re-run on AR: decoded from scratch, or verified as a draft (not in the
     default entries: `--only fallback`)."""
     from nowait.bench.ar_entries import fallback_entry
-    from nowait.engines.speculative.engine import check_draft, check_drafter_model
+    from nowait.engines.speculative import check_draft, check_drafter_model
 
     loaded = ctx.model("ar")
     drafter, refused = _spec_helper(ctx, loaded, "diffusion", check_drafter_model)

@@ -20,7 +20,7 @@ from nowait import paths
 from nowait.calibration import CALIBRATION_FILE, calibrated_threshold
 from nowait.engines.base import InvalidRequestError
 from nowait.engines.diffusion.request import DiffusionOptions
-from nowait.engines.speculative.engine import BEST_METHOD, SPEC_SETTINGS, SpeculativeConfig
+from nowait.engines.speculative import BEST_METHOD, SPEC_SETTINGS, SpeculativeConfig
 from nowait.planner.hardware import NODES
 from nowait.router import DEFAULT_CONFIDENCE_THRESHOLD, DataClass, RemoteEngine, RoutingPolicy
 
@@ -72,7 +72,7 @@ class SpecEngineConfig(ArEngineConfig):
     gets the settings measured for it rather than another method's."""
 
     kind: Literal["spec"]  # type: ignore[assignment]
-    max_num_seqs: int = Field(4, ge=1)  # speculation pays at small batch (engines/speculative/engine.py)
+    max_num_seqs: int = Field(4, ge=1)  # speculation pays at small batch (engines/speculative/config.py)
     method: Literal["hybrid", "draft", "ngram", "diffusion"] = Field(
         BEST_METHOD, description="hybrid (prompt lookup, else the draft model), draft, ngram (no draft model), or "
                                  "diffusion (a diffusion model drafts the whole answer)")

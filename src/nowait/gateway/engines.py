@@ -41,7 +41,7 @@ from nowait.engines.ar.sequence import Sequence
 from nowait.engines.base import Completion, GenerationRequest, InvalidRequestError, SamplingParams
 from nowait.engines.diffusion.engine import DiffusionEngine
 from nowait.engines.diffusion.request import DiffusionOptions
-from nowait.engines.speculative.engine import IncompatibleDraftError, SpeculativeEngine, build_drafter
+from nowait.engines.speculative import IncompatibleDraftError, SpeculativeEngine, build_drafter
 from nowait.gateway.config import ArEngineConfig, DiffusionEngineConfig, SpecEngineConfig
 from nowait.gateway.domain import Attempt, Call
 from nowait.gateway.errors import APIError, bad_request, engine_unavailable, queue_full, timed_out

@@ -4,8 +4,8 @@
 `AutoregressiveEngine` is the serving engine, split as nano-vllm splits it: the scheduler
 (`scheduler.py`) picks each step's sequences, the sequence (`sequence.py`) holds a request's
 state, the model runner (`runner.py`) owns the cache rows and runs the forwards, and the
-policies are pure functions (`sampling.py`, `grammar.py`). The speculative engine
-(`speculative.py`) replaces only the decode step.
+policies are pure functions (`sampling.py`, `../structured/grammar.py`). The speculative engine
+(`nowait.engines.speculative`) replaces only the decode step.
 """
 
 from __future__ import annotations

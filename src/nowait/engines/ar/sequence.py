@@ -15,7 +15,7 @@ import torch
 from nowait.engines.base import Completion, FinishReason, GenerationRequest, Timings
 
 if TYPE_CHECKING:
-    from nowait.engines.speculative.engine import PromptLookup
+    from nowait.engines.ar.prompt_lookup import PromptLookup
     from nowait.engines.structured.grammar import SchemaMatcher
 
 

@@ -26,26 +26,8 @@ Three proposers share one verifier:
   two later (a value one token longer), so each proposal re-aligns the output's last tokens on
   the draft (`propose_from_draft`), as prompt lookup does on the prompt.
 
-The target scores the pending token plus the proposals in one forward; proposals are accepted
-left to right with probability min(1, p(x) / q(x)) (p: target, q: draft; the issue writes them
-the other way round), and at the first rejection the next token is drawn from
-norm(max(0, p - q)); when all are accepted a bonus token comes from the target. This leaves the
-output distributed exactly as the target's; at temperature 0 both are one-hot, so greedy
-output is the target's argmax token for token. A deterministic proposer (prompt lookup) is a
-draft whose q is a point mass. When every row of a step is greedy and unconstrained, the
-engine takes that one-hot case directly (`greedy_accept`: proposals agreeing with the target's
-argmax), without building distributions: on small models the per-step tensor work is a large
-part of a step.
-
-When speculation is skipped (`should_speculate`): speculation buys tokens per target forward
-with extra compute (draft forwards plus the proposals' positions in the verify). At small
-batch a decode forward is memory- or overhead-bound and the extra positions are cheap; at
-large batch the forward is already compute-efficient and the extra positions cost their
-full price while only the accepted ones pay. So a step speculates only while the running
-batch is at most `max_batch` sequences and batch x (gamma + 1) positions fit the step's token
-cap; above that the engine decodes normally (and the draft's cache catches up later). The
-default `max_batch=4` is a CPU-side guess to be calibrated by `nowait bench batching`: set
-it to the batch size at which batched decoding stops being nearly free per extra sequence.
+How the target accepts proposals is `acceptance.py`; when a step speculates at all, `config.py`
+(`should_speculate`).
 """
 
 from __future__ import annotations
@@ -53,14 +35,13 @@ from __future__ import annotations
 import collections.abc
 import logging
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from nowait.engines.ar.engine import AutoregressiveEngine, EngineConfig
+from nowait.engines.ar.prompt_lookup import PromptLookup
 from nowait.engines.ar.runner import ModelRunner
 from nowait.engines.ar.sampling import (
     SamplingBatch,
@@ -72,292 +53,17 @@ from nowait.engines.ar.sampling import (
 from nowait.engines.ar.scheduler import ScheduledBatch
 from nowait.engines.ar.sequence import Sequence
 from nowait.engines.base import Completion, GenerationRequest, SamplingParams
+from nowait.engines.speculative.acceptance import greedy_accept, proposal_distributions, speculative_accept
+from nowait.engines.speculative.answers import propose_from_draft
+from nowait.engines.speculative.config import SpeculativeConfig, should_speculate
+from nowait.engines.speculative.drafters import IncompatibleDraftError, check_draft, check_drafter_model
 from nowait.model import Transformer
 from nowait.tokenizer import TextCodec
 
 if TYPE_CHECKING:  # the diffusion engine loads only where a drafter is given
     from nowait.engines.diffusion.engine import DiffusionEngine
 
-SpeculativeMethod = Literal["draft", "ngram", "hybrid", "diffusion"]
 log = logging.getLogger(__name__)
-
-
-class IncompatibleDraftError(ValueError):
-    """The draft cannot propose for this target (another vocabulary, not causal...)."""
-
-
-# --- the algorithms, as pure functions ---
-
-
-# Leviathan et al. 2023, Algorithm 1 (speculative sampling), for a batch of rows with their
-# own number of proposals.
-def speculative_accept(draft_tokens: Tensor, num_drafts: Tensor, target_probs: Tensor,
-                       draft_probs: Tensor | None, accept_uniforms: Tensor,
-                       sample_uniforms: Tensor) -> tuple[Tensor, Tensor]:
-    """How many proposals each row accepts, and the token that follows them.
-
-    draft_tokens [B, K] (rows padded past `num_drafts[b]`), target_probs [B, K + 1, V]
-    (p at each proposal and after the last), draft_probs [B, K, V] (q), or None for a
-    deterministic proposer (q is a point mass on the proposal), uniforms [B, K] and [B].
-    Returns accepted [B] and next_token [B]: the residual norm(max(0, p - q)) at the first
-    rejection, the target's own distribution after the last proposal when none is rejected.
-    """
-    batch, k = draft_tokens.shape
-    rows = torch.arange(batch, device=draft_tokens.device)
-    if k == 0:
-        return torch.zeros(batch, dtype=torch.long), sample_from(target_probs[:, 0], sample_uniforms)
-    p_of_draft = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
-    if draft_probs is None:
-        q_of_draft = torch.ones_like(p_of_draft)
-    else:
-        q_of_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1).clamp(min=1e-30)
-    # u < p/q accepts with probability min(1, p/q); u is in [0, 1), so p >= q always accepts.
-    accept = (accept_uniforms < p_of_draft / q_of_draft) & (torch.arange(k)[None, :] < num_drafts[:, None])
-    accepted = accept.long().cumprod(-1).sum(-1)
-    p_next = target_probs[rows, accepted]
-    at = accepted.clamp(max=k - 1)
-    if draft_probs is None:
-        q_next = torch.zeros_like(p_next).scatter_(-1, draft_tokens[rows, at][:, None], 1.0)
-    else:
-        q_next = draft_probs[rows, at]
-    q_next = torch.where((accepted < num_drafts)[:, None], q_next, torch.zeros_like(q_next))
-    residual = (p_next - q_next).clamp(min=0)
-    total = residual.sum(-1, keepdim=True)
-    # total == 0 only if p == q, where rejection has probability 0; fall back to p for safety.
-    residual = torch.where(total > 0, residual / total.clamp(min=1e-30), p_next)
-    return accepted, sample_from(residual, sample_uniforms)
-
-
-def greedy_accept(proposal: list[int], target_choice: list[int]) -> int:
-    """How many proposals greedy decoding accepts: the longest prefix of `proposal` equal to the
-    target's argmax at each position (`target_choice[j]`: the target's token after the first j
-    proposals). `speculative_accept` with one-hot p and q gives the same count, and the token
-    after them is then `target_choice[accepted]`.
-    """
-    accepted = 0
-    for proposed, chosen in zip(proposal, target_choice, strict=False):  # target_choice has one more
-        if proposed != chosen:
-            break
-        accepted += 1
-    return accepted
-
-
-def expected_tokens_per_pass(acceptance_rate: float, gamma: int) -> float:
-    """Leviathan et al. 2023, eq. 1: (1 - a^(gamma+1)) / (1 - a) tokens per target forward."""
-    if acceptance_rate >= 1:
-        return gamma + 1.0
-    return (1 - acceptance_rate ** (gamma + 1)) / (1 - acceptance_rate)
-
-
-# Prompt lookup decoding (Saxena 2023): copy what followed the latest earlier occurrence of
-# the current suffix; longer suffixes first, since they predict the continuation better.
-def propose_ngram(tokens: list[int] | np.ndarray, count: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
-    """Up to `count` tokens that followed the latest earlier occurrence of the last n tokens."""
-    if count <= 0:
-        return []
-    ids = np.asarray(tokens, dtype=np.int64)
-    length = len(ids)
-    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        suffix = ids[length - n:]
-        windows = np.lib.stride_tricks.sliding_window_view(ids[: length - 1], n)  # starts 0 .. length - 1 - n
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if len(hits):
-            start = int(hits[-1]) + n
-            return ids[start: start + count].tolist()
-    return []
-
-
-class PromptLookup:
-    """`propose_ngram` over one growing token list, kept incrementally.
-
-    For each n it remembers where the latest occurrence of every n-gram ended, so a proposal
-    costs O(max_ngram) dictionary lookups instead of a scan of the whole context per step (a
-    scan of a few hundred tokens costs about as much as the rest of a small model's step).
-    Proposals are identical to `propose_ngram`'s.
-    """
-
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, search_limit: int | None = None) -> None:
-        self.min_ngram, self.max_ngram = min_ngram, max_ngram
-        self.search_limit = search_limit  # occurrences must end before this index (None: anywhere)
-        self.tokens: list[int] = []
-        self._ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_ngram, max_ngram + 1)}
-        self._indexed = 0  # n-grams ending before this index are in `_ends`
-
-    def extend(self, tokens: list[int]) -> None:
-        self.tokens.extend(tokens)
-
-    def propose(self, count: int, drafted: list[int] | tuple[int, ...] = ()) -> tuple[list[int], int]:
-        """Up to `count` tokens, and the length of the matched suffix (0: no match).
-
-        `drafted`: tokens proposed after `tokens` this step; the suffix then ends in them (a
-        copy the draft model has started), and occurrences are still searched in `tokens` only.
-        """
-        ids = self.tokens
-        # The suffix itself must not match itself: index only n-grams ending before the last token.
-        last = len(ids) - 1 if self.search_limit is None else min(len(ids) - 1, self.search_limit)
-        for end in range(self._indexed, last):
-            for n, table in self._ends.items():
-                if end + 1 >= n:
-                    table[tuple(ids[end + 1 - n: end + 1])] = end + 1
-        self._indexed = max(self._indexed, last)
-        if count <= 0:
-            return [], 0
-        context = ids + list(drafted) if drafted else ids
-        length = len(context)
-        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
-            start = self._ends[n].get(tuple(context[length - n:]))
-            if start is not None:
-                return context[start: start + count], n
-        return [], 0
-
-
-# Speculative diffusion decoding (Christopher et al. 2024): the proposal is the drafted answer
-# from where the output stands in it; after a disagreement the output is re-aligned on the draft
-# by its last tokens (prompt lookup's rule, Saxena 2023), the occurrence nearest the old alignment.
-def propose_from_draft(draft: list[int], output: list[int], count: int, shift: int = 0,
-                       max_ngram: int = 3, min_ngram: int = 2) -> tuple[list[int], int]:
-    """Up to `count` tokens of `draft` to follow `output`, and the alignment they assume.
-
-    `shift`: draft index minus output index found last time (0 while the output is a prefix of
-    the draft). The output's last n tokens (n from `max_ngram` down to `min_ngram`) are looked
-    up in the draft, and the occurrence that ends nearest `len(output) + shift` wins; when none
-    occurs the last output token is taken to have replaced a draft token (the alignment is
-    kept). Returns the proposal and the new shift.
-    """
-    if count <= 0:
-        return [], shift
-    expected = len(output) + shift
-    best: tuple[int, int, int] | None = None  # (distance from the alignment, -n, end)
-    for n in range(min(max_ngram, len(output)), min_ngram - 1, -1):
-        suffix = output[len(output) - n:]
-        for end in range(n, len(draft) + 1):
-            if draft[end - n: end] == suffix:
-                candidate = (abs(end - expected), -n, end)
-                best = candidate if best is None or candidate < best else best
-    if best is not None:
-        end = best[2]
-        return draft[end: end + count], end - len(output)
-    start = max(0, expected)
-    return draft[start: start + count], shift
-
-
-def should_speculate(batch_size: int, gamma: int, max_batch: int, token_cap: int) -> bool:
-    """The rule for skipping speculation (see the module docstring)."""
-    return gamma > 0 and batch_size <= max_batch and batch_size * (gamma + 1) <= token_cap
-
-
-def check_draft(target: Transformer, draft: Transformer, codec: TextCodec | None = None,
-                draft_codec: TextCodec | None = None) -> None:
-    """Refuse a draft that cannot propose tokens for this target."""
-    if draft.config.vocab_size != target.config.vocab_size:
-        raise IncompatibleDraftError(
-            f"the draft's vocabulary has {draft.config.vocab_size} tokens, the target's {target.config.vocab_size}: "
-            "speculative decoding needs the same tokenizer")
-    if not draft.config.causal:
-        raise IncompatibleDraftError("the draft model is bidirectional; it must be causal (AR)")
-    if codec is not None and draft_codec is not None and not codec.same_ids_as(draft_codec):
-        raise IncompatibleDraftError("the draft's tokenizer maps tokens to other ids than the target's")
-
-
-def check_drafter_model(target: Transformer, drafter: Transformer, codec: TextCodec | None = None,
-                        drafter_codec: TextCodec | None = None) -> None:
-    """Refuse a diffusion drafter whose answers are not in the target's tokens."""
-    if drafter.config.vocab_size != target.config.vocab_size:
-        raise IncompatibleDraftError(
-            f"the drafter's vocabulary has {drafter.config.vocab_size} tokens, the target's "
-            f"{target.config.vocab_size}: speculative decoding needs the same tokenizer")
-    if drafter.config.causal:
-        raise IncompatibleDraftError("the drafter is causal (AR); method diffusion needs a diffusion model")
-    if codec is not None and drafter_codec is not None and not codec.same_ids_as(drafter_codec):
-        raise IncompatibleDraftError("the drafter's tokenizer maps tokens to other ids than the target's")
-
-
-def build_drafter(model: Transformer, codec: TextCodec, max_batch: int = 4,
-                  end_ids: collections.abc.Sequence[int] | None = None) -> DiffusionEngine:
-    """The diffusion engine that drafts answers for method diffusion (its fast default; the
-    speculative settings' `drafter_tau` goes with each drafting request). A causal model is
-    refused as a drafter, like any draft that cannot serve (IncompatibleDraftError)."""
-    from nowait.engines.diffusion.engine import DiffusionEngine
-
-    if model.config.causal:
-        raise IncompatibleDraftError("the drafter is causal (AR); method diffusion needs a diffusion model")
-    return DiffusionEngine(model, codec, max_batch=max_batch, end_ids=end_ids)
-
-
-# --- the engine ---
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    method: SpeculativeMethod = "draft"
-    gamma: int = 4  # proposals per step and sequence, at most
-    max_batch: int = 4  # speculate only while at most this many sequences run
-    max_ngram: int = 3
-    min_ngram: int = 1
-    # Draft model: stop drafting a row after a proposal whose draft probability is below this
-    # (0: always draft gamma tokens). The doubtful token is still proposed: its forward is paid.
-    draft_confidence: float = 0.0
-    hybrid_min_ngram: int = 2  # hybrid: prompt lookup when at least this many tokens match
-    # Tokens one prompt lookup proposes, at most (None: gamma). A copied span ends where the
-    # document's value ends, so long lookups mostly fill the verify with rejected positions.
-    lookup_gamma: int | None = None
-    # Method diffusion: the drafter's commit threshold (None: the drafter's own). A looser tau
-    # drafts in fewer forwards; the target corrects what it gets wrong, so only speed changes.
-    drafter_tau: float | None = None
-    # Tokens of a drafted answer (method diffusion, or a request's draft_ids) one verify checks,
-    # at most: such an answer is mostly right, so a long verify pays where a guessed one would not.
-    answer_gamma: int = 64
-
-    @property
-    def widest(self) -> int:
-        """The most proposals one row's verify can carry."""
-        return max(self.gamma, self.answer_gamma)
-
-    def validate(self) -> None:
-        if self.method not in ("draft", "ngram", "hybrid", "diffusion"):
-            raise ValueError(f"unknown speculative method {self.method!r}; choose draft, ngram, hybrid or diffusion")
-        if self.gamma < 1:
-            raise ValueError(f"gamma must be at least 1, got {self.gamma}")
-        if not 1 <= self.min_ngram <= self.max_ngram:
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
-        if not 0 <= self.draft_confidence < 1:
-            raise ValueError(f"draft_confidence must be in [0, 1), got {self.draft_confidence}")
-        if self.lookup_gamma is not None and self.lookup_gamma < 1:
-            raise ValueError(f"lookup_gamma must be at least 1 (or None for gamma), got {self.lookup_gamma}")
-        if self.answer_gamma < 1:
-            raise ValueError(f"answer_gamma must be at least 1, got {self.answer_gamma}")
-        if self.drafter_tau is not None and not 0 < self.drafter_tau <= 1:
-            raise ValueError(f"drafter_tau must be in (0, 1], got {self.drafter_tau}")
-        if not 1 <= self.hybrid_min_ngram <= self.max_ngram:
-            raise ValueError(f"need 1 <= hybrid_min_ngram <= max_ngram, got {self.hybrid_min_ngram}, "
-                             f"{self.max_ngram}")
-
-    @property
-    def uses_draft(self) -> bool:
-        """Needs a causal draft model (methods draft and hybrid)."""
-        return self.method in ("draft", "hybrid")
-
-    @property
-    def uses_drafter(self) -> bool:
-        """Needs a diffusion drafter (method diffusion)."""
-        return self.method == "diffusion"
-
-
-# Per-method settings, measured side by side on the demo models at batch size 1 (CPU; see
-# docs/engines-ar.md): the draft is cut short once it doubts (draft_confidence), which makes a
-# long gamma cheap; prompt lookups stop at 5 tokens, about where copied document values end;
-# the diffusion drafter commits at tau 0.99 (fewer forwards than its own 0.999: the target
-# corrects what it gets wrong) and a verify checks 64 of its tokens (answers run ~93).
-# Diffusion was the fastest, hybrid the fastest of those without a second full-size model; the
-# bench (`nowait bench engines --only spec`) remeasures all four.
-SPEC_SETTINGS: dict[str, SpeculativeConfig] = {
-    "ngram": SpeculativeConfig(method="ngram", gamma=4),
-    "draft": SpeculativeConfig(method="draft", gamma=8, draft_confidence=0.9),
-    "hybrid": SpeculativeConfig(method="hybrid", gamma=12, draft_confidence=0.95, lookup_gamma=5),
-    "diffusion": SpeculativeConfig(method="diffusion", gamma=64, drafter_tau=0.99, answer_gamma=64),
-}
-SPEC_METHODS = tuple(SPEC_SETTINGS)
-BEST_METHOD = "hybrid"  # the default of `nowait eval --engine spec` and the gateway's spec engines
 
 
 class SpeculativeEngine(AutoregressiveEngine):
@@ -731,22 +437,3 @@ def last_logits(logits: Tensor, lengths: list[int]) -> Tensor:
     if all(n == logits.shape[1] for n in lengths):
         return logits[:, -1]
     return logits[torch.arange(len(lengths)), torch.tensor(lengths) - 1]
-
-
-def proposal_distributions(proposals: list[list[int]], drafted: list[int],
-                           draft_probs: Tensor | None) -> Tensor | None:
-    """q for `speculative_accept`, [B, K, V]: the draft's distributions at the first
-    `drafted[i]` proposals of row i, a point mass on each proposed token after them (prompt
-    lookup, a deterministic function of the context); None when the draft proposed nothing
-    (the acceptance test then treats every proposal as a point mass)."""
-    if draft_probs is None or not any(drafted):
-        return None
-    width = max(len(p) for p in proposals)
-    batch, steps, vocab = draft_probs.shape
-    q = torch.zeros(batch, width, vocab, dtype=draft_probs.dtype)
-    q[:, : min(steps, width)] = draft_probs[:, :width]
-    for i, (proposal, n) in enumerate(zip(proposals, drafted, strict=True)):
-        if len(proposal) > n:
-            q[i, n:] = 0
-            q[i, torch.arange(n, len(proposal)), torch.tensor(proposal[n:], dtype=torch.long)] = 1.0
-    return q
