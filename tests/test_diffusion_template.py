@@ -11,16 +11,10 @@ import pytest
 
 from nowait.engines.base import GenerationRequest, InvalidRequestError, SamplingParams
 from nowait.engines.diffusion.engine import DiffusionEngine
+from nowait.engines.structured.byte_dfa import compile_language
+from nowait.engines.structured.languages import PatternError, json_string_pattern, literal, parse_regex, seq
 from nowait.engines.structured.templates import SchemaTemplateError, TemplateCompiler
-from nowait.engines.structured.token_automaton import (
-    PatternError,
-    SlotAutomaton,
-    compile_language,
-    json_string_pattern,
-    literal,
-    parse_regex,
-    seq,
-)
+from nowait.engines.structured.token_automaton import SlotAutomaton
 from nowait.extraction.corpus import KINDS, schema_for
 
 from .conftest import build_model

@@ -21,21 +21,20 @@ from dataclasses import dataclass
 
 from jsonschema import Draft202012Validator
 
-from nowait.engines.structured.token_automaton import (
+from nowait.engines.structured.byte_dfa import compile_language
+from nowait.engines.structured.languages import (
     Node,
     PatternError,
-    SlotAutomaton,
     alt,
     char_set,
-    compile_language,
     json_string_char,
     json_string_pattern,
     literal,
     parse_regex,
     rep,
     seq,
-    token_byte_strings,
 )
+from nowait.engines.structured.token_automaton import SlotAutomaton, token_byte_strings
 from nowait.tokenizer import TextCodec
 
 # Slot widths in tokens. Under the demo tokenizer digits are single tokens, so a quoted ISO
