@@ -1,16 +1,16 @@
-"""`nowait bench`: measurements printed side by side from one run (never timed assertions)."""
+"""`nowait bench`: measurements printed side by side from one run (never timed assertions).
+
+Importing the package registers every bench command on `bench_app` (bench/app.py).
+"""
 
 from __future__ import annotations
 
-import typer
-
-bench_app = typer.Typer(help="Measure engines, batching and the gateway on this machine.", no_args_is_help=True)
-
-# Commands register themselves on bench_app when their module is imported.
-from nowait.bench import batching, cache_modes, engines, physics  # noqa: E402, F401
-from nowait.bench.gateway import register as register_gateway_bench  # noqa: E402
+from nowait.bench import batching, cache_modes, engines, physics  # noqa: F401 (their commands register on import)
+from nowait.bench.app import bench_app
+from nowait.bench.gateway import register as register_gateway_bench
+from nowait.bench.load import register as register_load_bench
 
 register_gateway_bench(bench_app)
-from nowait.bench.load import register as register_load_bench  # noqa: E402
-
 register_load_bench(bench_app)
+
+__all__ = ["bench_app"]

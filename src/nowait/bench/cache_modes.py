@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from nowait.bench import bench_app
+from nowait.bench.app import bench_app
 
 if TYPE_CHECKING:
     from nowait.engines.diffusion.request import DiffusionOptions

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from nowait.bench import bench_app
+from nowait.bench.app import bench_app
 
 if TYPE_CHECKING:  # torch and the engines load when the command runs, not with the CLI
     from nowait.checkpoints import LoadedModel

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import typer
 
-from nowait.bench import bench_app
+from nowait.bench.app import bench_app
 from nowait.model import KVCache, ModelConfig, Transformer
 from nowait.planner.hardware import time_best
 from nowait.plots import finish_figure, pyplot
