@@ -152,7 +152,7 @@ def test_configs_the_factory_cannot_build_are_refused_with_the_reason(codec, che
         build_engine(DiffusionEngineConfig(kind="diffusion", model=checkpoints["ar"]))
     with pytest.raises(CheckpointError, match="no such checkpoint directory"):
         build_engine(ArEngineConfig(kind="ar", model=str(tmp_path / "missing")))
-    with pytest.raises(CheckpointError, match="^draft model: .*missing-draft"):
+    with pytest.raises(CheckpointError, match=r"^draft model: .*missing-draft"):
         build_engine(SpecEngineConfig(kind="spec", model=checkpoints["ar"], method="draft",
                                       draft=str(tmp_path / "missing-draft")))
     alien = save_pretrained(build_model(1, vocab_size=codec.vocab_size, num_layers=1), swapped_codec(codec),

@@ -17,8 +17,8 @@ from nowait.bench.gateway import register as register_bench
 from nowait.engines.speculative import SPEC_SETTINGS
 from nowait.gateway.cli import register as register_serve
 from nowait.gateway.config import ConfigError, default_config, load_config, parse_config
+from nowait.gateway.engine_stats import EngineStats
 from nowait.gateway.ledger import owned_cost_usd, remote_cost_usd
-from nowait.gateway.metrics import EngineStats
 from nowait.planner.cost import cost_per_mtok
 from nowait.router import DataClass, pin, restrict_to_available
 
@@ -53,7 +53,7 @@ def test_spec_engines_load_their_draft_and_refuse_one_with_another_tokenizer(tmp
     ngram needs no draft at all."""
     from nowait.checkpoints import save_pretrained
     from nowait.engines.base import GenerationRequest, SamplingParams
-    from nowait.gateway.app import build_backends
+    from nowait.gateway.engines import build_backends
     from tests.conftest import build_model, swapped_codec
     from tests.gateway_support import save_tiny_models
 

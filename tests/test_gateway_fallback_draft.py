@@ -12,9 +12,9 @@ import pytest
 
 from nowait.gateway.dispatch import Dispatcher
 from nowait.gateway.domain import Attempt, Call, Metadata, Sampling
-from nowait.gateway.engines import OwnedBackend
 from nowait.gateway.ledger import AuditLog
 from nowait.gateway.metrics import GatewayMetrics
+from nowait.gateway.owned import OwnedBackend
 from nowait.router import DataClass, RoutingPolicy
 
 
@@ -42,32 +42,44 @@ def call(model: str, temperature: float | None = None) -> Call:
                 messages=[{"role": "user", "content": "Name: Ann Lee"}])
 
 
+def spec_fallback_dispatcher(tmp_path, fast: RecordingBackend) -> tuple[Dispatcher, dict[str, RecordingBackend]]:
+    """A dispatcher whose policy comes from a config saying `routing.fallback_engine: spec`, with a
+    backend of its own under each engine name: a re-run that went to `ar` instead of `spec` is
+    seen as such, not hidden behind one backend answering for both names."""
+    from nowait.gateway.config import parse_config
+
+    policy = parse_config({"routing": {"fallback_engine": "spec", "confidence_threshold": 0.9}}).routing_policy()
+    engines = {"diffusion": fast, "spec": RecordingBackend("spec", '{"name": "Ann Lee"}', None),
+               "ar": RecordingBackend("ar", '{"name": "Ann Lee"}', None)}
+    return Dispatcher(engines, policy, "nowait", GatewayMetrics(), AuditLog(tmp_path / "audit.jsonl"),
+                      timeout_s=5), engines
+
+
 @pytest.mark.parametrize(("confidence", "falls_back"), [(0.2, True), (0.999, False)])
 def test_the_fast_answer_is_the_fallback_engines_draft(tmp_path, confidence, falls_back):
+    """A low-confidence answer re-runs on the configured fallback engine (spec), carrying the
+    fast engine's text as its draft; the other owned engine (ar) is not asked."""
     fast = RecordingBackend("diffusion", '{"name": "Ann Lee"}', confidence)
-    slow = RecordingBackend("spec", '{"name": "Ann Lee"}', None)
-    policy = RoutingPolicy(confidence_threshold=0.9, fallback_engine="spec")
-    dispatcher = Dispatcher({"diffusion": fast, "spec": slow, "ar": slow}, policy, "nowait", GatewayMetrics(),
-                            AuditLog(tmp_path / "audit.jsonl"), timeout_s=5)
+    dispatcher, engines = spec_fallback_dispatcher(tmp_path, fast)
     outcome = asyncio.run(dispatcher.complete(call("diffusion")))
     assert fast.calls[0].draft_text is None
+    assert not engines["ar"].calls
     if falls_back:
         assert outcome.fallback and [a.engine for a in outcome.attempts] == ["diffusion", "spec"]
-        assert slow.calls[0].draft_text == fast.text
-        assert slow.calls[0].messages == fast.calls[0].messages and slow.calls[0].request_id == "req-1"
+        [retry] = engines["spec"].calls
+        assert retry.draft_text == fast.text
+        assert retry.messages == fast.calls[0].messages and retry.request_id == "req-1"
     else:
-        assert not outcome.fallback and not slow.calls
+        assert not outcome.fallback and not engines["spec"].calls
 
 
 def test_a_sampled_fallback_gets_no_draft(tmp_path):
-    """A seeded sampled answer shares its seed with the re-run, so it is not an independent draft."""
-    fast = RecordingBackend("diffusion", '{"name": "Ann Lee"}', 0.2)
-    slow = RecordingBackend("spec", '{"name": "Ann Lee"}', None)
-    dispatcher = Dispatcher({"diffusion": fast, "spec": slow, "ar": slow},
-                            RoutingPolicy(confidence_threshold=0.9, fallback_engine="spec"), "nowait",
-                            GatewayMetrics(), AuditLog(tmp_path / "audit.jsonl"), timeout_s=5)
+    """A seeded sampled answer shares its seed with the re-run, so it is not an independent draft:
+    the configured fallback engine (spec, not ar) re-runs it without one."""
+    dispatcher, engines = spec_fallback_dispatcher(tmp_path, RecordingBackend("diffusion", '{"name": "Ann Lee"}', 0.2))
     outcome = asyncio.run(dispatcher.complete(call("diffusion", temperature=0.8)))
-    assert outcome.fallback and slow.calls[0].draft_text is None
+    assert outcome.fallback and outcome.final.engine == "spec" and not engines["ar"].calls
+    assert engines["spec"].calls[0].draft_text is None
 
 
 @pytest.mark.parametrize("kind", ["spec", "ar", "diffusion"])

@@ -7,9 +7,10 @@
     GET  /metrics, /healthz, /readyz                   (no API key needed)           routes/status.py
 
 Handlers only translate: bodies to Calls (calls.py), Outcomes to OpenAI objects (responses.py).
-Routing, fallback and accounting live in dispatch.py; the engines in engines.py and remote.py;
-what a running server holds in service.py. This module puts them together: the lifespan that
-loads the engines, the middleware, the error handlers and the routes.
+Routing, fallback and accounting live in dispatch.py; the engines in engines.py (built from the
+config), owned.py and workers.py (in process) and remote.py; what a running server holds in
+service.py. This module puts them together: the lifespan that loads the engines, the
+middleware, the error handlers and the routes.
 """
 
 from __future__ import annotations
@@ -20,34 +21,15 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 from fastapi import FastAPI
 
-from nowait.gateway.config import GatewayConfig, RemoteEngineConfig
+from nowait.gateway.config import GatewayConfig
 from nowait.gateway.domain import Backend
-from nowait.gateway.engines import ModelCache, UnavailableBackend, build_owned
+from nowait.gateway.engines import build_backends
 from nowait.gateway.errors import APIError, install_error_handlers
 from nowait.gateway.middleware import ApiKeyMiddleware, BodyLimitMiddleware
-from nowait.gateway.remote import RemoteBackend
 from nowait.gateway.routes import batch_api, generation, status
 from nowait.gateway.service import Gateway
 
 log = logging.getLogger("nowait.gateway")
-
-
-def build_backends(config: GatewayConfig) -> dict[str, Backend]:
-    """Every configured engine; one that cannot serve is kept as unavailable, with a warning."""
-    cache = ModelCache()
-    backends: dict[str, Backend] = {}
-    for name, spec in config.engines.items():
-        if isinstance(spec, RemoteEngineConfig):
-            remote = RemoteBackend(name, spec, config.metrics_window_s)
-            if not remote.available:
-                log.warning("engine %r is not available: %s", name, remote.unavailable_reason)
-                backends[name] = UnavailableBackend(name, "remote", remote.unavailable_reason,
-                                                    config.metrics_window_s, owned=spec.on_premises)
-            else:
-                backends[name] = remote
-        else:
-            backends[name] = build_owned(name, spec, cache, config.metrics_window_s, config.defaults.max_tokens)
-    return backends
 
 
 def lifespan_of(config: GatewayConfig, backends: dict[str, Backend] | None

@@ -21,12 +21,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 from nowait.gateway.domain import Attempt, AttemptStream, Backend, Call
-from nowait.gateway.engines import SCHEMA_UNSUPPORTED
 from nowait.gateway.errors import APIError, engine_unavailable, forbidden_destination, unknown_model
 from nowait.gateway.ledger import AuditLog
 from nowait.gateway.metrics import GatewayMetrics
 from nowait.gateway.prompts import conforms
 from nowait.gateway.remote import UpstreamFailure
+from nowait.gateway.workers import SCHEMA_UNSUPPORTED
 from nowait.router import DataClass, Decision, RoutingPolicy, failover, pin, route, should_fall_back
 
 

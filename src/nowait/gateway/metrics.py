@@ -22,8 +22,6 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-# Re-exported while the owned-engine workers still import it from here.
-from nowait.gateway.engine_stats import EngineStats  # noqa: F401
 from nowait.planner.cost import with_fallback
 
 if TYPE_CHECKING:
