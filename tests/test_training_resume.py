@@ -1,0 +1,130 @@
+"""`nowait train` killed after a checkpoint and run again resumes from RUN_DIR/state.pt and ends
+exactly where the unbroken run ends: same weights, optimizer state, data index, log and export.
+
+The kill is a real SIGKILL of a `nowait train` process, sent by the process itself from the
+progress callback at a chosen step: nothing of the run is flushed, closed or saved after it, and
+the step is fixed, so the test never races the checkpoint's write.
+
+Exact equality is what training.py promises here: batches are a pure function of their pool's
+first data index, the checkpoint stores the index of the next pool, and with batch size 1 a pool
+is BUCKETS batches, so a checkpoint every BUCKETS steps falls on a pool boundary and the resumed
+run reads the very batches the unbroken one read (off a boundary up to BUCKETS - 1 batches would
+be skipped, as batch_stream documents).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from nowait import paths
+from nowait.checkpoints import save_pretrained
+from nowait.cli import app
+from nowait.tokenizer import TextCodec
+from nowait.training import BUCKETS
+
+from .conftest import build_model
+
+STEPS, EVAL_EVERY, KILL_AT = 8, 4, 6  # checkpoints at 4 and 8; the kill falls between them
+assert EVAL_EVERY % BUCKETS == 0 and EVAL_EVERY < KILL_AT < STEPS
+
+# `nowait train`, whose training loop SIGKILLs its own process once step KILL_AT is reported.
+KILLED_RUN = f"""
+import os, signal, sys
+import nowait.training as training
+from nowait.cli import app
+
+run = training.train
+
+def train_until_killed(*args, progress, **kwargs):
+    def report(step, record):
+        progress(step, record)
+        if step == {KILL_AT}:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return run(*args, progress=report, **kwargs)
+
+training.train = train_until_killed
+app(sys.argv[1:], prog_name="nowait")
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_start(tmp_path_factory) -> Path:
+    """A tiny random AR checkpoint with the bundled tokenizer (training reads it), for --init-from: the
+    command then trains this model instead of the full-size preset."""
+    codec = TextCodec.from_file(paths.tokenizer_path())
+    model = build_model(vocab_size=codec.vocab_size, max_position=1024)  # room for a corpus prompt and answer
+    return save_pretrained(model, codec, tmp_path_factory.mktemp("resume") / "start")
+
+
+def train_args(start: Path, run: Path) -> list[str]:
+    return ["train", "ar", "--init-from", str(start), "--steps", str(STEPS), "--eval-every", str(EVAL_EVERY),
+            "--batch-size", "1", "--eval-documents", "1", "--threads", "1", "--run-dir", str(run / "run"),
+            "--out", str(run / "out")]
+
+
+def train(start: Path, run: Path) -> dict:
+    result = CliRunner().invoke(app, train_args(start, run))
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout[result.stdout.index("{"):])  # the JSON after the progress bar
+
+
+def state(run: Path) -> dict:
+    return torch.load(run / "run" / "state.pt", weights_only=False)
+
+
+def log(path: Path) -> list[dict]:
+    """The log's records without their wall-clock times."""
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    return [{k: v for k, v in record.items() if k != "elapsed_s"} for record in records]
+
+
+def assert_same_tensors(one, two) -> None:
+    """Nested dicts/lists of tensors and numbers, equal bit for bit."""
+    if isinstance(one, torch.Tensor):
+        assert torch.equal(one, two)
+    elif isinstance(one, dict):
+        assert one.keys() == two.keys()
+        for key in one:
+            assert_same_tensors(one[key], two[key])
+    elif isinstance(one, list | tuple):
+        assert len(one) == len(two)
+        for a, b in zip(one, two, strict=True):
+            assert_same_tensors(a, b)
+    else:
+        assert one == two
+
+
+def test_a_killed_run_resumes_to_the_unbroken_result(tiny_start, tmp_path):
+    unbroken, broken = tmp_path / "unbroken", tmp_path / "broken"
+    assert train(tiny_start, unbroken)["step"] == STEPS
+
+    killed = subprocess.run([sys.executable, "-c", KILLED_RUN, *train_args(tiny_start, broken)],
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    at_kill = state(broken)
+    assert at_kill["step"] == EVAL_EVERY  # the last checkpoint before the kill
+    assert not (broken / "run" / "settings.json").exists()  # written only when a run ends
+    assert [record["step"] for record in log(broken / "run" / "log.jsonl")] == [EVAL_EVERY]
+
+    assert train(tiny_start, broken)["step"] == STEPS
+    resumed, expected = state(broken), state(unbroken)
+    # the resumed steps moved the weights: equality below is not the checkpoint left as it was
+    assert not all(torch.equal(a, b) for a, b in zip(at_kill["model"].values(), resumed["model"].values(),
+                                                       strict=True))
+    assert_same_tensors(resumed["model"], expected["model"])
+    assert_same_tensors(resumed["optimizer"], expected["optimizer"])
+    for key in ("step", "data_index", "best", "steps"):
+        assert resumed[key] == expected[key], key
+    assert log(broken / "run" / "log.jsonl") == log(unbroken / "run" / "log.jsonl")
+    assert log(broken / "out" / "training_log.jsonl") == log(unbroken / "out" / "training_log.jsonl")
+    assert_same_tensors(load_file(broken / "out" / "model.safetensors"),
+                        load_file(unbroken / "out" / "model.safetensors"))
