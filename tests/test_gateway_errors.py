@@ -5,6 +5,7 @@ client that hangs up cancels its work."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -25,7 +26,7 @@ def never_ending_model(codec, tokens: int = 400):
     """A tiny random model whose greedy answer to "Name:" runs at least `tokens` tokens, so the
     timeout and hang-up tests always catch it mid-generation (which seed does so depends on the
     test tokenizer, hence the search; it is deterministic)."""
-    from nowait.engines.autoregressive import greedy_decode
+    from nowait.engines.ar.engine import greedy_decode
 
     prompt = codec.encode("Name:")
     for seed in range(3, 40):
@@ -153,47 +154,115 @@ def test_a_full_queue_is_429_with_retry_after(server):
     assert refused[0].body["code"] == "rate_limit_exceeded"
 
 
-def test_a_client_that_hangs_up_cancels_its_work(server):
+def wait_until(condition, timeout_s: float = 10.0) -> bool:
+    """Poll `condition` until it holds or the deadline passes: a passing run returns as soon as
+    it holds, and the deadline only bounds a failing one."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.fixture
+def tight_sequences(server, monkeypatch):
+    """Every Sequence the "tight" engine takes during a test: the engine's own record of how a
+    request ended (cancelled, or decoded on to its max_tokens), whatever its client saw."""
+    engine = server.gateway.backends["tight"].worker.engine
+    submit, taken = engine.submit, []
+
+    def recording_submit(request):
+        seq = submit(request)
+        taken.append(seq)
+        return seq
+
+    monkeypatch.setattr(engine, "submit", recording_submit)
+    return taken
+
+
+# Far more than the engine decodes before a cancellation reaches it (a few hundred at most).
+LONG_ANSWER = 3500
+
+
+def assert_cancelled_mid_generation(server, seq) -> None:
+    """The engine stopped decoding `seq` early and gave back its place. Checked on the sequence
+    itself, not by waiting for the engine to go idle: an uncancelled sequence also leaves the
+    engine, once it has decoded all its LONG_ANSWER tokens, but as `length`, not `cancelled`."""
     backend = server.gateway.backends["tight"]
+    assert wait_until(lambda: seq.is_finished), f"still decoding after its client left: {seq!r}"
+    assert seq.finish_reason == "cancelled" and len(seq.output_ids) < LONG_ANSWER, seq
+    assert wait_until(lambda: backend.worker.running() == 0 and backend.in_flight == 0)
+
+
+def test_a_client_that_hangs_up_cancels_its_work(server, tight_sequences):
+    """A stream whose client disconnects leaves the engine at the next step: guards against a
+    request that keeps its engine slot (and decodes for nobody) after its client has gone."""
+    body = {"model": "tight", "prompt": "Name:", "max_tokens": LONG_ANSWER, "stream": True}
     with httpx.stream("POST", f"{server.base_url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                      json={"model": "tight", "prompt": "Name:", "max_tokens": 3500, "stream": True}) as response:
+                      json=body) as response:
         for line in response.iter_lines():
             if line.startswith("data:"):
                 break  # got the first chunk: now hang up
-    deadline = time.monotonic() + 5
-    while backend.worker.running() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert backend.worker.running() == 0 and backend.in_flight == 0
+    [seq] = tight_sequences
+    assert_cancelled_mid_generation(server, seq)
     entry = read_audit_log(server.config.audit_log_path)[-1]
     assert entry["status"] == 499 and entry["model"] == "tight"
 
 
-def test_a_non_streaming_client_that_hangs_up_cancels_its_work(server):
-    backend = server.gateway.backends["tight"]
-    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
-        post(server, "/v1/completions", json={"model": "tight", "prompt": "Name:", "max_tokens": 3500},
-             timeout=0.5)
-    deadline = time.monotonic() + 5
-    while (backend.worker.running() or backend.in_flight) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert backend.worker.running() == 0 and backend.in_flight == 0
-    assert read_audit_log(server.config.audit_log_path)[-1]["status"] == 499
+def test_a_non_streaming_client_that_hangs_up_cancels_its_work(server, tight_sequences):
+    """The same for a plain request, found by the handler's disconnect poll: the client hangs up
+    once the engine is decoding its request (awaited, not slept), and the engine stops."""
+    async def hang_up_once_decoding():
+        async with httpx.AsyncClient(base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"},
+                                     timeout=30) as client:
+            request = asyncio.create_task(client.post("/v1/completions", json={
+                "model": "tight", "prompt": "Name:", "max_tokens": LONG_ANSWER}))
+            deadline = time.monotonic() + 10
+            while not tight_sequences and not request.done() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            request.cancel()  # closes the connection
+            with contextlib.suppress(asyncio.CancelledError):
+                await request
+
+    asyncio.run(hang_up_once_decoding())
+    [seq] = tight_sequences
+    assert_cancelled_mid_generation(server, seq)
+    assert wait_until(lambda: read_audit_log(server.config.audit_log_path)[-1]["status"] == 499)
 
 
-def test_a_request_past_its_timeout_is_504_and_stops(server):
+def test_a_request_past_its_timeout_is_504_and_stops(server, tight_sequences):
+    """A run past its timeout is answered 504 and its sequence leaves the engine: guards against
+    a timed-out request that goes on decoding after its client got the 504."""
     from nowait.gateway.domain import Call, Metadata, Sampling
     from nowait.router import DataClass
 
     backend = server.gateway.backends["tight"]
     call = Call(request_id="slow", endpoint="completions", model="tight", prompt="Name:",
-                sampling=Sampling(max_tokens=3500), meta=Metadata(None, 1.0, DataClass.internal, False))
+                sampling=Sampling(max_tokens=LONG_ANSWER), meta=Metadata(None, 1.0, DataClass.internal, False))
     with pytest.raises(APIError) as error:
         asyncio.run(backend.run(call, timeout_s=0.3))
     assert error.value.status == 504 and error.value.code == "timeout"
-    deadline = time.monotonic() + 5
-    while backend.worker.running() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert backend.worker.running() == 0
+    [seq] = tight_sequences
+    assert_cancelled_mid_generation(server, seq)
+
+
+def test_a_request_past_its_timeout_is_504_over_http(server, monkeypatch, tight_sequences):
+    """server.request_timeout_s through HTTP: a plain request gets a 504 `timeout` error object;
+    a stream, already answered 200, ends with a `timeout` error event and [DONE]. Both stop."""
+    monkeypatch.setattr(server.gateway.dispatcher, "timeout_s", 0.4)
+    body = {"model": "tight", "prompt": "Name:", "max_tokens": LONG_ANSWER}
+    error = assert_error_object(post(server, "/v1/completions", json=body), 504, code="timeout")
+    assert error["type"] == "timeout_error" and "0.4 s" in error["message"]
+    assert_cancelled_mid_generation(server, tight_sequences[0])
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                      json={**body, "stream": True}, timeout=30) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line.startswith("data:")]
+    assert lines[-1] == "data: [DONE]"
+    event = json.loads(lines[-2].removeprefix("data:"))["error"]
+    assert event["code"] == "timeout" and event["type"] == "timeout_error"
+    assert_cancelled_mid_generation(server, tight_sequences[1])
 
 
 def error_counts(server) -> dict[str, float]:
@@ -239,28 +308,38 @@ def test_a_seed_a_generator_cannot_take_is_400_and_harms_nobody(server):
 
 def test_a_request_the_engine_fails_to_take_fails_alone(server, monkeypatch):
     """An unexpected error while the engine takes a request is that request's 500; a request
-    already running on the same engine carries on."""
+    already decoding on the same engine carries on to its last token.
+
+    Guards against a failure that fails every running request. The running request is a stream
+    whose first chunk is awaited before the failing one is sent, and the failing hook records
+    that it was still decoding at that moment: had it already finished, there would have been
+    nothing to protect, and the test says so instead of passing."""
     engine = server.gateway.backends["tight"].worker.engine
     submit = engine.submit
+    decoding_at_failure: list[int] = []
 
     def failing_submit(request):
         if request.sampling.max_tokens == 7:
+            decoding_at_failure.extend(len(s.output_ids) for s in engine.scheduler.running if not s.is_finished)
             raise RuntimeError("simulated failure")
         return submit(request)
 
     monkeypatch.setattr(engine, "submit", failing_submit)
-
-    async def together():
-        client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
-        running = asyncio.create_task(client.completions.create(model="tight", prompt="Name:", max_tokens=60))
-        await asyncio.sleep(0.2)
-        failing = client.completions.create(model="tight", prompt="Name:", max_tokens=7)
-        return await asyncio.gather(running, failing, return_exceptions=True)
-
-    running, failing = asyncio.run(together())
-    assert isinstance(failing, openai.InternalServerError) and failing.body["code"] == "engine_error"
-    assert "simulated failure" in failing.body["message"]
-    assert not isinstance(running, Exception) and running.usage.completion_tokens == 60
+    running_tokens = 200  # within never_ending_model's guaranteed 400: no end token cuts it short
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                      json={"model": "tight", "prompt": "Name:", "max_tokens": running_tokens, "stream": True,
+                            "stream_options": {"include_usage": True}}, timeout=30) as running:
+        events = (line.removeprefix("data:").strip() for line in running.iter_lines() if line.startswith("data:"))
+        first = next(events)  # the engine is decoding it
+        failing = post(server, "/v1/completions", json={"model": "tight", "prompt": "Name:", "max_tokens": 7})
+        rest = [first, *events]
+    error = assert_error_object(failing, 500, code="engine_error")
+    assert "simulated failure" in error["message"]
+    assert decoding_at_failure, "the running request had finished before the failure: nothing was protected"
+    assert rest[-1] == "[DONE]"
+    chunks = [json.loads(data) for data in rest[:-1]]
+    assert not [c for c in chunks if "error" in c], chunks[-2:]
+    assert chunks[-1]["usage"]["completion_tokens"] == running_tokens
 
 
 def test_a_body_over_the_limit_is_413(server):
