@@ -5,16 +5,13 @@ from __future__ import annotations
 import pytest
 
 from nowait import paths
-from nowait.bench.ar_entries import (
-    ar_structured_entry,
-    build_spec_engine,
-    decode_documents_with,
-    run_engine_eval,
-    spec_entry,
-)
+from nowait.bench.ar_entries import ar_structured_entry, spec_entry
 from nowait.bench.batching import measure_batching, split_turns
 from nowait.engines.ar.engine import AutoregressiveEngine, EngineConfig
+from nowait.engines.config import SpecEngineConfig
+from nowait.engines.factory import EngineModel, engine_from
 from nowait.engines.speculative import IncompatibleDraftError
+from nowait.evaluation import decode_documents_with, run_engine_eval
 from nowait.extraction.corpus import documents
 from nowait.tokenizer import TextCodec, train_tokenizer
 from tests.conftest import build_model
@@ -43,7 +40,8 @@ def test_decode_documents_with_keeps_order_and_matches_one_at_a_time(codec, mode
 
 
 def test_run_engine_eval_reports_the_eval_fields(codec, model):
-    engine = build_spec_engine(model, codec, "ngram", config=EngineConfig(max_num_seqs=2))
+    engine = engine_from(SpecEngineConfig(kind="spec", method="ngram", max_num_seqs=2, structured=False),
+                         EngineModel(model, codec))
     result = run_engine_eval(engine, codec, n=2, split="validation")
     assert all(field in result for field in EVAL_FIELDS)
     assert result["settings"]["engine"] == "spec" and "speculative (ngram" in result["settings"]["decoding"]

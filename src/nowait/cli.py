@@ -6,6 +6,7 @@ import json
 import shutil
 from enum import Enum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -17,6 +18,11 @@ from nowait.cli_errors import fail
 from nowait.demo.cli import register as register_demo
 from nowait.gateway.cli import register as register_serve
 from nowait.planner.cli import register as register_plan
+
+if TYPE_CHECKING:  # torch and the engines load when a command runs, not with the CLI
+    from nowait.checkpoints import LoadedModel
+    from nowait.engines.ar import AutoregressiveEngine
+    from nowait.engines.factory import ModelCache
 
 app = typer.Typer(help="nowait: route each request to the engine that pays, and plan the fleet.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -114,12 +120,15 @@ def train(
     console.print_json(json.dumps(result))
 
 
-def _load_model(model: str, engine: str, device: str = "cpu"):
-    """Load a bundled demo model by name or a checkpoint directory by path, or fail clearly."""
-    from nowait.checkpoints import CheckpointError, load_pretrained
+def _load_model(model: str, device: str = "cpu", models: ModelCache | None = None) -> LoadedModel:
+    """Load a bundled demo model by name or a checkpoint directory by path, as the engine factory
+    loads the models a config names (through `models`, so engines named alike share weights), or
+    fail clearly."""
+    from nowait.checkpoints import CheckpointError
+    from nowait.engines.factory import ModelCache
 
     try:
-        loaded = load_pretrained(paths.model_dir(model), device=device)
+        loaded = (models or ModelCache()).load(model, device=device)
     except (CheckpointError, ValueError) as error:  # ValueError: a device this machine lacks
         fail(str(error))
     if loaded.codec.end_id is None:
@@ -164,8 +173,9 @@ def evaluate(
     """Decode N held-out documents and score the JSON: accuracy, validity, forwards and latency."""
     import torch
 
+    from nowait.engines.factory import ModelCache
     from nowait.engines.speculative import SPEC_METHODS
-    from nowait.evaluation import ENGINES, check_engine, diffusion_options, run_eval
+    from nowait.evaluation import ENGINES, check_engine, diffusion_options, run_engine_eval, run_eval
 
     if engine not in ENGINES:
         fail(f"unknown engine {engine!r}; choose one of: {', '.join(ENGINES)}")
@@ -194,7 +204,8 @@ def evaluate(
         fail("--device applies to plain ar and diffusion decoding; spec and structured ar run on the CPU")
     if threads:
         torch.set_num_threads(threads)
-    loaded = _load_model(model or ("ar" if engine == "spec" else engine), engine, device)
+    models = ModelCache()
+    loaded = _load_model(model or ("ar" if engine == "spec" else engine), device, models)
     try:
         check_engine(loaded.model, engine)
     except ValueError as error:
@@ -202,7 +213,7 @@ def evaluate(
     serving = None
     if engine == "spec" or (engine == "ar" and structured):
         # Built before the progress bar, so a refused draft is one clear line.
-        serving = _build_ar_engine(loaded, engine, batch_size, structured, method, gamma, draft)
+        serving = _serving_engine(models, loaded, engine, batch_size, structured, method, gamma, draft)
     columns = [TextColumn(f"[bold]eval {engine}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TimeRemainingColumn()]
     with Progress(*columns, console=err_console, transient=as_json) as progress:
@@ -210,8 +221,6 @@ def evaluate(
         advance = lambda k: progress.advance(task, k)  # noqa: E731
         try:
             if serving is not None:
-                from nowait.bench.ar_entries import run_engine_eval
-
                 # Speculation runs at batch size 1, where it pays; constrained AR batched.
                 result = run_engine_eval(serving, loaded.codec, n, split, seed, structured,
                                          one_at_a_time=engine == "spec", on_batch=advance)
@@ -230,30 +239,31 @@ def evaluate(
     _print_eval_table(result)
 
 
-def _build_ar_engine(loaded, engine: str, batch_size: int, structured: bool, method: str, gamma: int | None,
-                     draft: str | None):
-    """The serving engine `eval --engine spec` and `eval --engine ar --structured` run, or fail
-    clearly: a missing draft, or one trained with another tokenizer than the target's."""
-    from nowait.bench.ar_entries import build_ar_engine, build_spec_engine, spec_settings
-    from nowait.engines.ar.engine import EngineConfig
+def _serving_engine(models: ModelCache, loaded: LoadedModel, engine: str, batch_size: int, structured: bool,
+                    method: str, gamma: int | None, draft: str | None) -> AutoregressiveEngine:
+    """The serving engine `eval --engine spec` and `eval --engine ar --structured` run, from the
+    engine factory, or fail clearly: a missing draft, or one trained with another tokenizer than
+    the target's."""
+    from nowait.checkpoints import CheckpointError
+    from nowait.engines.ar import EngineConfig
+    from nowait.engines.config import ArEngineConfig, SpecEngineConfig
+    from nowait.engines.factory import build_engine
     from nowait.engines.speculative import IncompatibleDraftError
 
+    target = str(loaded.path)
     if engine != "spec":
-        return build_ar_engine(loaded.model, loaded.codec, structured, config=EngineConfig(max_num_seqs=batch_size))
-    settings = spec_settings(method)
-    draft_loaded = None
-    if settings.uses_draft:
-        draft_loaded = _load_model(draft or "draft", engine)
-    elif settings.uses_drafter:
-        draft_loaded = _load_model(draft or "diffusion", "diffusion")
+        # The AR engine's own token budget per step, as eval has always batched.
+        config = ArEngineConfig(kind="ar", model=target, max_num_seqs=batch_size, structured=structured,
+                                max_num_batched_tokens=max(batch_size, EngineConfig.max_num_batched_tokens))
+    else:
+        config = SpecEngineConfig(kind="spec", model=target, method=method, draft=draft, gamma=gamma, max_num_seqs=1,
+                                  structured=structured)
     try:
-        return build_spec_engine(loaded.model, loaded.codec, method, draft_loaded.model if draft_loaded else None,
-                                 gamma, structured, config=EngineConfig(max_num_seqs=1),
-                                 draft_codec=draft_loaded.codec if draft_loaded else None)
+        return build_engine(config, models).engine
     except IncompatibleDraftError as error:
-        fail(f"draft {draft_loaded.path}: {error}; use a draft trained with the target's tokenizer "
+        fail(f"draft {paths.model_dir(config.draft_model)}: {error}; use a draft trained with the target's tokenizer "
              "(nowait train draft), or --method ngram")
-    except ValueError as error:
+    except (CheckpointError, ValueError) as error:
         fail(str(error))
 
 
@@ -293,6 +303,7 @@ def calibrate(
 
     from nowait.calibration import calibrate as run_calibration
     from nowait.calibration import write_calibration
+    from nowait.engines.factory import ModelCache
     from nowait.evaluation import check_engine
 
     if split not in ("validation", "test"):
@@ -307,7 +318,8 @@ def calibrate(
         fail(f"--target must be in (0, 1], got {target}")
     if threads:
         torch.set_num_threads(threads)
-    diffusion, ar = _load_model(model, "diffusion"), _load_model(ar_model, "ar")
+    models = ModelCache()
+    diffusion, ar = _load_model(model, models=models), _load_model(ar_model, models=models)
     try:
         check_engine(diffusion.model, "diffusion")
         check_engine(ar.model, "ar")
@@ -367,7 +379,7 @@ def extract(
         text = path.read_text(encoding="utf-8")
     except (UnicodeDecodeError, OSError) as error:
         fail(f"{path}: cannot read as UTF-8 text ({error})")
-    loaded = _load_model(model or engine, engine)
+    loaded = _load_model(model or engine)
     try:
         check_engine(loaded.model, engine)
         result = run_extract(loaded.model, loaded.codec, text, kind)

@@ -4,7 +4,8 @@ Training's periodic evaluation decodes the simple, correct way: greedy AR with t
 and LLaDA's reference schedule (one token committed per forward) for diffusion; that is the
 yardstick. `nowait eval` measures an engine as served: AR greedy with the KV cache, or the
 diffusion engine with its policy, block, cache and (optionally) schema-template infilling,
-adding forwards, tokens per forward and per-document latency to the accuracy.
+adding forwards, tokens per forward and per-document latency to the accuracy. Every engine comes
+from the engine factory (engines/factory.py), as the gateway's do.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from nowait.engines.ar.engine import greedy_decode
-from nowait.engines.base import GenerationRequest, SamplingParams
-from nowait.engines.diffusion.engine import DiffusionEngine
+from nowait.engines.ar import AutoregressiveEngine, greedy_decode
+from nowait.engines.base import Completion, GenerationRequest, SamplingParams
+from nowait.engines.config import DiffusionEngineConfig
 from nowait.engines.diffusion.reference import reference_decode
 from nowait.engines.diffusion.request import DiffusionOptions
+from nowait.engines.factory import EngineModel, engine_from
+from nowait.engines.speculative import SpeculativeEngine
 from nowait.extraction.corpus import KINDS, Document, documents, schema_for
 from nowait.extraction.scorer import parse_json_object, schema_valid, score_document, summarize
 from nowait.model import Transformer
@@ -93,9 +96,10 @@ def decode_records(model: Transformer, codec: TextCodec, engine: str, docs: list
     latency from its Completion (at batch size 1, both are that document's alone).
     """
     if structured and engine != "diffusion":
-        raise ValueError("structured AR decoding runs through the AR engine (nowait.bench.ar_entries)")
+        raise ValueError("structured AR decoding runs through the AR engine (run_engine_eval)")
     records: list[DecodeRecord] = []
-    diffusion_engine = (DiffusionEngine(model, codec, diffusion or DiffusionOptions(), max_batch=batch_size)
+    diffusion_engine = (engine_from(DiffusionEngineConfig.with_options(diffusion or DiffusionOptions(), batch_size),
+                                    EngineModel(model, codec))
                         if engine == "diffusion" else None)
     for start in range(0, len(docs), batch_size):
         chunk = docs[start: start + batch_size]
@@ -200,6 +204,79 @@ def run_eval(model: Transformer, codec: TextCodec, engine: str, n: int, split: s
     return {**result, "settings": settings}
 
 
+# --- an AR engine as served: `nowait eval --engine spec` and `--engine ar --structured` ---
+
+
+def document_request(doc: Document, codec: TextCodec, structured: bool = False,
+                     max_tokens: int = ANSWER_WINDOW) -> GenerationRequest:
+    """Greedy extraction of one document, constrained to its kind's JSON Schema if `structured`."""
+    return GenerationRequest(codec.encode(extraction_prompt(doc.kind, doc.text)), SamplingParams(max_tokens=max_tokens),
+                             schema=schema_for(doc.kind) if structured else None, request_id=doc.doc_id)
+
+
+def decode_documents_with(engine: AutoregressiveEngine, docs: list[Document], codec: TextCodec,
+                          structured: bool = False, one_at_a_time: bool = False, max_tokens: int = ANSWER_WINDOW,
+                          on_batch: Callable[[int], None] | None = None) -> list[Completion]:
+    """Completions for `docs`, in order. Batched through continuous batching by default (groups
+    of `max_num_seqs`, so `on_batch` can report progress); `one_at_a_time` for latency."""
+    completions: list[Completion] = []
+    group = 1 if one_at_a_time else engine.config.max_num_seqs
+    for start in range(0, len(docs), group):
+        chunk = docs[start: start + group]
+        completions += engine.generate([document_request(d, codec, structured, max_tokens) for d in chunk])
+        if on_batch:
+            on_batch(len(chunk))
+    return completions
+
+
+def completion_metrics(completions: list[Completion], docs: list[Document]) -> dict:
+    """The eval fields every engine reports (the scorer's, plus cost and latency)."""
+    metrics = summarize(score_document(c.text, d.fields, d.kind) for c, d in zip(completions, docs, strict=True))
+    tokens = sum(c.completion_tokens for c in completions)
+    forwards = sum(c.forwards for c in completions)
+    latencies = np.array([c.timings.total_s for c in completions]) * 1000
+    proposed = sum(c.draft_tokens_proposed for c in completions)
+    mask_s = sum(c.timings.grammar_mask_s for c in completions)
+    metrics.update({
+        "forwards_per_doc": forwards / max(len(completions), 1),
+        "tokens_per_forward": tokens / max(forwards, 1),
+        "latency_ms_p50": float(np.percentile(latencies, 50)) if len(latencies) else 0.0,
+        "latency_ms_p95": float(np.percentile(latencies, 95)) if len(latencies) else 0.0,
+        "tokens_per_doc": tokens / max(len(completions), 1),
+        "finished_by_length": sum(c.finish_reason == "length" for c in completions),
+        "mean_confidence": float(np.mean([c.confidence for c in completions])) if completions else 0.0,
+    })
+    if proposed:
+        metrics["acceptance_rate"] = sum(c.draft_tokens_accepted for c in completions) / proposed
+        metrics["draft_forwards_per_doc"] = sum(c.draft_forwards for c in completions) / len(completions)
+    if mask_s:
+        metrics["grammar_mask_us_per_token"] = mask_s / max(tokens, 1) * 1e6
+    return metrics
+
+
+def run_engine_eval(engine: AutoregressiveEngine, codec: TextCodec, n: int, split: str = "test",
+                    seed: int | None = None, structured: bool = False, one_at_a_time: bool = False,
+                    on_batch: Callable[[int], None] | None = None) -> dict:
+    """`nowait eval --engine ar|spec [--structured]`: the fields of `run_eval` plus the engine's
+    cost and latency fields."""
+    docs = documents(split, n, seed=seed)
+    started = time.perf_counter()
+    completions = decode_documents_with(engine, docs, codec, structured, one_at_a_time, on_batch=on_batch)
+    elapsed = time.perf_counter() - started
+    decoding = "greedy, KV cache, continuous batching"
+    if isinstance(engine, SpeculativeEngine):
+        spec = engine.speculative
+        tuning = "".join(f", {name} {value}" for name, value in
+                         (("draft_confidence", spec.draft_confidence), ("lookup_gamma", spec.lookup_gamma)) if value)
+        decoding += f", speculative ({spec.method}, gamma {spec.gamma}{tuning}, at most {spec.max_batch} sequences)"
+    if structured:
+        decoding += ", JSON Schema grammar (llguidance)"
+    settings = {"engine": engine.name, "split": None if seed is not None else split, "seed": seed,
+                "structured": structured, "batch_size": 1 if one_at_a_time else engine.config.max_num_seqs,
+                "decoding": decoding}
+    return {**completion_metrics(completions, docs), "settings": settings, "elapsed_s": round(elapsed, 2)}
+
+
 # --- one document, for `nowait extract` ---
 
 _KIND_WORDS = {
@@ -249,11 +326,8 @@ def extract(model: Transformer, codec: TextCodec, document: str, kind: str | Non
     if model.config.causal:
         ids = decode_prompts(model, codec, [prompt], stats=stats)[0]
     else:
-        from nowait.engines.base import GenerationRequest, SamplingParams
-        from nowait.engines.diffusion.engine import DiffusionEngine
-
-        [completion] = DiffusionEngine(model, codec).generate(
-            [GenerationRequest(prompt, SamplingParams(max_tokens=ANSWER_WINDOW))])
+        fast_default = engine_from(DiffusionEngineConfig(kind="diffusion"), EngineModel(model, codec))
+        [completion] = fast_default.generate([GenerationRequest(prompt, SamplingParams(max_tokens=ANSWER_WINDOW))])
         ids, stats["forwards"] = completion.token_ids, completion.forwards
     seconds = time.perf_counter() - started
     text = codec.decode(ids)

@@ -12,21 +12,25 @@ import time
 
 from nowait.checkpoints import LoadedModel
 from nowait.conventions import apply_chat_template, encode_prompt
-from nowait.engines.ar.engine import AutoregressiveEngine, EngineConfig
+from nowait.engines.ar import AutoregressiveEngine, EngineConfig
 from nowait.engines.base import Completion, GenerationRequest, InvalidRequestError, SamplingParams
-from nowait.engines.diffusion.engine import DiffusionEngine
-from nowait.engines.diffusion.request import DiffusionOptions
+from nowait.engines.config import ArEngineConfig, DiffusionEngineConfig
+from nowait.engines.diffusion import DiffusionEngine, DiffusionOptions
+from nowait.engines.factory import EngineModel, engine_from
 
 
-def build_engine(loaded: LoadedModel, max_model_len: int | None = None, max_batch: int = 1,
-                 options: DiffusionOptions | None = None) -> AutoregressiveEngine | DiffusionEngine:
-    """The engine of the checkpoint's kind, sized for `max_batch` sequences of at most
-    `max_model_len` tokens (an AR cache row is allocated for that many up front)."""
-    conventions = loaded.conventions
+def checkpoint_engine(loaded: LoadedModel, max_model_len: int | None = None, max_batch: int = 1,
+                      options: DiffusionOptions | None = None) -> AutoregressiveEngine | DiffusionEngine:
+    """The engine of the checkpoint's kind, from the engine factory, sized for `max_batch`
+    sequences of at most `max_model_len` tokens (an AR cache row is allocated for that many up
+    front), stopping on the checkpoint's own end ids."""
     if loaded.engine_kind == "ar":
-        config = EngineConfig(max_num_seqs=max_batch, max_model_len=max_model_len)
-        return AutoregressiveEngine(loaded.model, loaded.codec, config, end_ids=conventions.end_ids)
-    return DiffusionEngine(loaded.model, loaded.codec, options, max_batch=max_batch, end_ids=conventions.end_ids)
+        # The AR engine's own token budget per step: a long prompt is prefilled as it always was.
+        config = ArEngineConfig(kind="ar", max_num_seqs=max_batch, max_model_len=max_model_len, structured=False,
+                                max_num_batched_tokens=max(max_batch, EngineConfig.max_num_batched_tokens))
+    else:
+        config = DiffusionEngineConfig.with_options(options or DiffusionOptions(), max_batch)
+    return engine_from(config, EngineModel.of(loaded), where=str(loaded.path))
 
 
 def prompt_ids(loaded: LoadedModel, prompt: str, chat: bool = True) -> list[int]:
@@ -48,9 +52,9 @@ def generate_once(loaded: LoadedModel, prompt: str, max_tokens: int, temperature
     if len(ids) + max_tokens > room:
         raise InvalidRequestError(f"the prompt is {len(ids)} tokens; with max_tokens {max_tokens} that exceeds the "
                                   f"model's {room} positions")
-    engine = build_engine(loaded, max_model_len=len(ids) + max_tokens)
+    engine = checkpoint_engine(loaded, max_model_len=len(ids) + max_tokens)
     # The engine stops on every end id of the checkpoint (Llama 3 Instruct: <|eot_id|> beside
-    # <|end_of_text|>): `build_engine` gives it them all.
+    # <|end_of_text|>): `checkpoint_engine` gives it them all.
     sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
     started = time.perf_counter()
     [completion] = engine.generate([GenerationRequest(ids, sampling)])

@@ -1,139 +1,47 @@
-"""The AR engines on the extraction task: `nowait eval --engine ar|spec [--structured]` and the
-`spec` / `ar-structured` entries of `nowait bench engines`.
+"""The AR engines' entries of `nowait bench engines`: `spec` (every speculative method against
+plain AR), `ar-structured` (the grammar's cost) and `fallback` (a diffusion answer re-run on AR).
 
-Everything here drives the engines through their public `generate`, so what is measured is what
-a caller gets. Latency is measured one document at a time (batch size 1, the latency-bound case
-the diffusion engine competes in): each request is created just before it is submitted, so its
-`timings.total_s` is its service time. Accuracy comes from the same scorer as `nowait eval`.
+Every engine comes from the engine factory (engines/factory.py) with a config like the gateway's
+(one sequence at a time, no grammar unless measured), and is driven through its public
+`generate`, so what is measured is what a caller gets. Latency is measured one document at a time
+(batch size 1, the latency-bound case the diffusion engine competes in): each request is created
+just before it is submitted, so its `timings.total_s` is its service time. Accuracy comes from
+the same scorer as `nowait eval`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import replace
 
 import numpy as np
 
-from nowait.engines.ar.engine import AutoregressiveEngine, EngineConfig, greedy_decode
-from nowait.engines.base import Completion, GenerationRequest, SamplingParams
-from nowait.engines.speculative import (
-    SPEC_METHODS,
-    SPEC_SETTINGS,
-    SpeculativeConfig,
-    SpeculativeEngine,
-    build_drafter,
-)
-from nowait.evaluation import ANSWER_WINDOW
-from nowait.extraction.corpus import Document, documents, schema_for
-from nowait.extraction.scorer import score_document, summarize
+from nowait.engines.ar import AutoregressiveEngine, greedy_decode
+from nowait.engines.base import Completion
+from nowait.engines.config import ArEngineConfig, DiffusionEngineConfig, OwnedEngineSpec, SpecEngineConfig
+from nowait.engines.factory import EngineModel, OwnedEngine, engine_from
+from nowait.engines.speculative import SPEC_METHODS, SPEC_SETTINGS, SpeculativeEngine
+from nowait.evaluation import completion_metrics, decode_documents_with, document_request
+from nowait.extraction.corpus import Document
 from nowait.model import Transformer
-from nowait.tokenizer import TextCodec, extraction_prompt
+from nowait.tokenizer import TextCodec
+
+# One sequence at a time: the latency-bound case these entries measure.
+ONE_AT_A_TIME = ArEngineConfig(kind="ar", max_num_seqs=1, structured=False)
 
 
-def grammar_for(model: Transformer, codec: TextCodec):
-    """A JSON Schema grammar compiler for this model's vocabulary (imports llguidance)."""
-    from nowait.engines.structured.grammar import GrammarCompiler
-
-    return GrammarCompiler.from_codec(codec, vocab_size=model.config.vocab_size)
+def spec_config(method: str, gamma: int | None = None) -> SpecEngineConfig:
+    """A one-sequence spec engine with `method`'s tuned settings, `gamma` overriding theirs unless None."""
+    return SpecEngineConfig(kind="spec", method=method, gamma=gamma, max_num_seqs=1, structured=False)
 
 
-def build_ar_engine(model: Transformer, codec: TextCodec, structured: bool = False,
-                    config: EngineConfig | None = None) -> AutoregressiveEngine:
-    """The AR engine, with the grammar compiler when `structured`."""
-    return AutoregressiveEngine(model, codec, config, grammar=grammar_for(model, codec) if structured else None)
-
-
-def build_spec_engine(model: Transformer, codec: TextCodec, method: str = "ngram", draft: Transformer | None = None,
-                      gamma: int | None = 4, structured: bool = False, config: EngineConfig | None = None,
-                      draft_codec: TextCodec | None = None) -> SpeculativeEngine:
-    """The speculative engine with `method`'s bench settings (`SPEC_SETTINGS`), `gamma`
-    overriding theirs unless None. `draft`: the causal draft (methods draft, hybrid) or the
-    diffusion model (method diffusion). Give `draft_codec` (the draft checkpoint's tokenizer)
-    to have a draft trained on another tokenizer of the same size refused rather than proposing
-    tokens that mean something else."""
-    grammar = grammar_for(model, codec) if structured else None
-    settings = spec_settings(method, gamma)
-    if settings.uses_drafter:
-        drafter = build_drafter(draft, draft_codec or codec, settings.max_batch) if draft is not None else None
-        return SpeculativeEngine(model, codec, config, grammar=grammar, speculative=settings, drafter=drafter)
-    return SpeculativeEngine(model, codec, config, draft=draft, grammar=grammar, draft_codec=draft_codec,
-                             speculative=settings)
-
-
-def spec_settings(method: str, gamma: int | None = None) -> SpeculativeConfig:
-    settings = SPEC_SETTINGS.get(method, SpeculativeConfig(method=method))
-    return settings if gamma is None else replace(settings, gamma=gamma)
-
-
-def document_request(doc: Document, codec: TextCodec, structured: bool = False,
-                     max_tokens: int = ANSWER_WINDOW) -> GenerationRequest:
-    """Greedy extraction of one document, constrained to its kind's JSON Schema if `structured`."""
-    return GenerationRequest(codec.encode(extraction_prompt(doc.kind, doc.text)), SamplingParams(max_tokens=max_tokens),
-                             schema=schema_for(doc.kind) if structured else None, request_id=doc.doc_id)
-
-
-def decode_documents_with(engine: AutoregressiveEngine, docs: list[Document], codec: TextCodec,
-                          structured: bool = False, one_at_a_time: bool = False, max_tokens: int = ANSWER_WINDOW,
-                          on_batch: Callable[[int], None] | None = None) -> list[Completion]:
-    """Completions for `docs`, in order. Batched through continuous batching by default (groups
-    of `max_num_seqs`, so `on_batch` can report progress); `one_at_a_time` for latency."""
-    completions: list[Completion] = []
-    group = 1 if one_at_a_time else engine.config.max_num_seqs
-    for start in range(0, len(docs), group):
-        chunk = docs[start: start + group]
-        completions += engine.generate([document_request(d, codec, structured, max_tokens) for d in chunk])
-        if on_batch:
-            on_batch(len(chunk))
-    return completions
-
-
-def completion_metrics(completions: list[Completion], docs: list[Document]) -> dict:
-    """The eval fields every engine reports (the scorer's, plus cost and latency)."""
-    metrics = summarize(score_document(c.text, d.fields, d.kind) for c, d in zip(completions, docs, strict=True))
-    tokens = sum(c.completion_tokens for c in completions)
-    forwards = sum(c.forwards for c in completions)
-    latencies = np.array([c.timings.total_s for c in completions]) * 1000
-    proposed = sum(c.draft_tokens_proposed for c in completions)
-    mask_s = sum(c.timings.grammar_mask_s for c in completions)
-    metrics.update({
-        "forwards_per_doc": forwards / max(len(completions), 1),
-        "tokens_per_forward": tokens / max(forwards, 1),
-        "latency_ms_p50": float(np.percentile(latencies, 50)) if len(latencies) else 0.0,
-        "latency_ms_p95": float(np.percentile(latencies, 95)) if len(latencies) else 0.0,
-        "tokens_per_doc": tokens / max(len(completions), 1),
-        "finished_by_length": sum(c.finish_reason == "length" for c in completions),
-        "mean_confidence": float(np.mean([c.confidence for c in completions])) if completions else 0.0,
-    })
-    if proposed:
-        metrics["acceptance_rate"] = sum(c.draft_tokens_accepted for c in completions) / proposed
-        metrics["draft_forwards_per_doc"] = sum(c.draft_forwards for c in completions) / len(completions)
-    if mask_s:
-        metrics["grammar_mask_us_per_token"] = mask_s / max(tokens, 1) * 1e6
-    return metrics
-
-
-def run_engine_eval(engine: AutoregressiveEngine, codec: TextCodec, n: int, split: str = "test",
-                    seed: int | None = None, structured: bool = False, one_at_a_time: bool = False,
-                    on_batch: Callable[[int], None] | None = None) -> dict:
-    """`nowait eval --engine ar|spec [--structured]`: the fields of `evaluation.run_eval` plus
-    the engine's cost and latency fields."""
-    docs = documents(split, n, seed=seed)
-    started = time.perf_counter()
-    completions = decode_documents_with(engine, docs, codec, structured, one_at_a_time, on_batch=on_batch)
-    elapsed = time.perf_counter() - started
-    decoding = "greedy, KV cache, continuous batching"
-    if isinstance(engine, SpeculativeEngine):
-        spec = engine.speculative
-        tuning = "".join(f", {name} {value}" for name, value in
-                         (("draft_confidence", spec.draft_confidence), ("lookup_gamma", spec.lookup_gamma)) if value)
-        decoding += f", speculative ({spec.method}, gamma {spec.gamma}{tuning}, at most {spec.max_batch} sequences)"
-    if structured:
-        decoding += ", JSON Schema grammar (llguidance)"
-    settings = {"engine": engine.name, "split": None if seed is not None else split, "seed": seed,
-                "structured": structured, "batch_size": 1 if one_at_a_time else engine.config.max_num_seqs,
-                "decoding": decoding}
-    return {**completion_metrics(completions, docs), "settings": settings, "elapsed_s": round(elapsed, 2)}
+def bench_engine(config: OwnedEngineSpec, model: Transformer, codec: TextCodec, draft: Transformer | None = None,
+                 draft_codec: TextCodec | None = None) -> OwnedEngine:
+    """The factory's engine on models in memory. `draft`: the causal draft or the diffusion
+    drafter; `draft_codec` (default: the target's) its tokenizer, so that a draft trained on
+    another tokenizer of the same size is refused rather than proposing tokens that mean something
+    else."""
+    helper = EngineModel(draft, draft_codec or codec) if draft is not None else None
+    return engine_from(config, EngineModel(model, codec), helper)
 
 
 def _identical(a: list[Completion], b: list[Completion]) -> bool:
@@ -153,17 +61,14 @@ def spec_entry(model: Transformer, codec: TextCodec, docs: list[Document], draft
     method's eval fields (lowest p50 latency), its speed-up over plain AR, whether every
     method's greedy output equals plain AR's, and the other methods beside it.
     """
-    config = EngineConfig(max_num_seqs=1)
-    engines: dict[str, AutoregressiveEngine] = {"ar": AutoregressiveEngine(model, codec, config)}
+    engines: dict[str, AutoregressiveEngine] = {"ar": bench_engine(ONE_AT_A_TIME, model, codec)}
     for method in methods:
-        settings = spec_settings(method)
+        settings = SPEC_SETTINGS[method]
         if settings.uses_drafter:
             if drafter is not None:
-                engines[method] = build_spec_engine(model, codec, method, drafter, gamma, config=config,
-                                                    draft_codec=drafter_codec)
+                engines[method] = bench_engine(spec_config(method, gamma), model, codec, drafter, drafter_codec)
         elif not settings.uses_draft or draft is not None:
-            engines[method] = build_spec_engine(model, codec, method, draft, gamma, config=config,
-                                                draft_codec=draft_codec)
+            engines[method] = bench_engine(spec_config(method, gamma), model, codec, draft, draft_codec)
     if len(engines) == 1:
         raise ValueError("no speculative method to run (methods 'draft' and 'hybrid' need a draft model, "
                          "'diffusion' a diffusion model)")
@@ -199,7 +104,7 @@ def spec_entry(model: Transformer, codec: TextCodec, docs: list[Document], draft
 def ar_structured_entry(model: Transformer, codec: TextCodec, docs: list[Document]) -> dict:
     """`nowait bench engines` entry `ar-structured`: greedy AR constrained to each document
     kind's JSON Schema, one document at a time; `grammar_mask_us_per_token` is the mask's cost."""
-    engine = build_ar_engine(model, codec, structured=True, config=EngineConfig(max_num_seqs=1))
+    engine = bench_engine(ArEngineConfig(kind="ar", max_num_seqs=1, structured=True), model, codec)
     completions = decode_documents_with(engine, docs, codec, structured=True, one_at_a_time=True)
     return {**completion_metrics(completions, docs), "engine": "ar-structured", "batch_size": 1, "n": len(docs)}
 
@@ -218,15 +123,12 @@ def fallback_entry(model: Transformer, codec: TextCodec, docs: list[Document], d
     was already paid for. The entry's fields are the fastest verifier's; each one's speed-up
     over the AR engine and whether its greedy output equals AR's are beside them.
     """
-    config = EngineConfig(max_num_seqs=1)
-    answers = build_drafter(drafter, drafter_codec or codec, max_batch=1)
+    answers = bench_engine(DiffusionEngineConfig(kind="diffusion", max_batch=1), drafter, drafter_codec or codec)
     verifiers: dict[str, SpeculativeEngine] = {
-        "diffusion": build_spec_engine(model, codec, "diffusion", drafter, None, config=config,
-                                       draft_codec=drafter_codec)}
+        "diffusion": bench_engine(spec_config("diffusion"), model, codec, drafter, drafter_codec)}
     if draft is not None:
-        verifiers["hybrid"] = build_spec_engine(model, codec, "hybrid", draft, None, config=config,
-                                                draft_codec=draft_codec)
-    plain = AutoregressiveEngine(model, codec, config)
+        verifiers["hybrid"] = bench_engine(spec_config("hybrid"), model, codec, draft, draft_codec)
+    plain = bench_engine(ONE_AT_A_TIME, model, codec)
     reruns: dict[str, list[Completion]] = {"ar": [], **{name: [] for name in verifiers}}
     for doc in docs:
         [answer] = answers.generate([document_request(doc, drafter_codec or codec)])

@@ -37,21 +37,21 @@ def _requests(prompts: list[list[int]], max_tokens: int, schemas: list[dict | No
 
 def _engine(model: Transformer, codec: TextCodec, prompts: list[list[int]], concurrency: tuple[int, ...],
             max_tokens: int, max_num_batched_tokens: int):
-    """The checkpoint's kind of engine, sized for these requests."""
+    """The checkpoint's kind of engine, sized for these requests, from the engine factory."""
+    from nowait.engines.config import ArEngineConfig, DiffusionEngineConfig
+    from nowait.engines.factory import EngineModel, engine_from
+
     if not model.config.causal:
-        from nowait.engines.diffusion.engine import DiffusionEngine
-
-        return DiffusionEngine(model, codec, max_batch=max(concurrency))
-    from nowait.engines.ar.engine import AutoregressiveEngine, EngineConfig
-
+        return engine_from(DiffusionEngineConfig(kind="diffusion", max_batch=max(concurrency)),
+                           EngineModel(model, codec))
     # Rows sized for these requests, not for the model's longest context: memory is rows x length.
     max_model_len = min(model.config.max_position, max(len(p) for p in prompts) + max_tokens + 1)
     # No prefix cache: the batch and the one-at-a-time run send the same prompts, again and again
     # across the turns, so each would restore the other's prompts whole, which no workload does.
-    config = EngineConfig(max_num_seqs=max(concurrency), max_num_batched_tokens=max(max_num_batched_tokens,
-                                                                                     max(concurrency)),
-                          max_model_len=max_model_len, prefix_cache_tokens=0)
-    return AutoregressiveEngine(model, codec, config)
+    config = ArEngineConfig(kind="ar", max_num_seqs=max(concurrency),
+                            max_num_batched_tokens=max(max_num_batched_tokens, max(concurrency)),
+                            max_model_len=max_model_len, prefix_cache_tokens=0, structured=False)
+    return engine_from(config, EngineModel(model, codec))
 
 
 def split_turns(n: int, rounds: int) -> list[range]:
@@ -156,8 +156,8 @@ def batching(
     """Output tokens/s with continuous batching vs the same requests one at a time."""
     import torch
 
-    from nowait import paths
-    from nowait.checkpoints import CheckpointError, load_pretrained
+    from nowait.checkpoints import CheckpointError
+    from nowait.engines.factory import ModelCache
     from nowait.extraction.corpus import documents
 
     try:
@@ -171,7 +171,7 @@ def batching(
     if threads:
         torch.set_num_threads(threads)
     try:
-        loaded = load_pretrained(paths.model_dir(model))
+        loaded = ModelCache().load(model)
     except CheckpointError as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(code=2) from None

@@ -40,10 +40,12 @@ def measure_cache_modes(model: Transformer, codec: TextCodec, docs: list[Documen
     the first configuration's (the ratio of decodes of the same document, seconds apart)."""
     import numpy as np
 
-    from nowait.bench.ar_entries import completion_metrics, document_request
-    from nowait.engines.diffusion.engine import DiffusionEngine
+    from nowait.engines.config import DiffusionEngineConfig
+    from nowait.engines.factory import EngineModel, engine_from
+    from nowait.evaluation import completion_metrics, document_request
 
-    engines = {name: DiffusionEngine(model, codec, options, max_batch=1) for name, options in configs.items()}
+    engines = {name: engine_from(DiffusionEngineConfig.with_options(options, max_batch=1), EngineModel(model, codec))
+               for name, options in configs.items()}
     completions: dict[str, list] = {name: [] for name in configs}
     for doc in docs:
         for name, engine in engines.items():
@@ -75,10 +77,10 @@ def cache_modes(
     from rich.console import Console
     from rich.table import Table
 
-    from nowait import paths
-    from nowait.checkpoints import CheckpointError, load_pretrained
+    from nowait.checkpoints import CheckpointError
     from nowait.cli_errors import fail
     from nowait.engines.diffusion.request import DiffusionOptions
+    from nowait.engines.factory import ModelCache
     from nowait.extraction.corpus import documents
 
     if n < 1:
@@ -90,7 +92,7 @@ def cache_modes(
     if threads:
         torch.set_num_threads(threads)
     try:
-        loaded = load_pretrained(paths.model_dir(model))
+        loaded = ModelCache().load(model)
     except CheckpointError as error:
         fail(str(error))
     if loaded.model.config.causal:

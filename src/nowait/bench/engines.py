@@ -41,13 +41,14 @@ class BenchContext:
     _loaded: dict[str, LoadedModel] = field(default_factory=dict)
 
     def model(self, role: str) -> LoadedModel:
-        """The model for a role: `model_paths[role]` or the bundled demo model of that name."""
-        from nowait import paths
-        from nowait.checkpoints import CheckpointError, load_pretrained
+        """The model for a role: `model_paths[role]` or the bundled demo model of that name,
+        loaded as the engine factory loads the models a config names."""
+        from nowait.checkpoints import CheckpointError
+        from nowait.engines.factory import ModelCache
 
         if role not in self._loaded:
             try:
-                self._loaded[role] = load_pretrained(paths.model_dir(self.model_paths.get(role) or role))
+                self._loaded[role] = ModelCache().load(self.model_paths.get(role) or role)
             except CheckpointError as error:
                 raise BenchError(f"{role} model: {error}") from None
         return self._loaded[role]
@@ -126,13 +127,15 @@ def interleaved_vs_ar(ctx: BenchContext, options) -> dict:
 
     import numpy as np
 
-    from nowait.bench.ar_entries import completion_metrics, document_request
-    from nowait.engines.ar.engine import greedy_decode
-    from nowait.engines.diffusion.engine import DiffusionEngine
+    from nowait.engines.ar import greedy_decode
+    from nowait.engines.config import DiffusionEngineConfig
+    from nowait.engines.factory import EngineModel, engine_from
+    from nowait.evaluation import completion_metrics, document_request
     from nowait.extraction.scorer import score_document, summarize
 
     ar, diffusion = ctx.model("ar"), ctx.model("diffusion")
-    engine = DiffusionEngine(diffusion.model.eval(), diffusion.codec, options, max_batch=1)
+    engine = engine_from(DiffusionEngineConfig.with_options(options, max_batch=1),
+                         EngineModel(diffusion.model, diffusion.codec))
     ar_ms, ar_texts, completions = [], [], []
     for doc in ctx.docs:
         request = document_request(doc, ar.codec)
