@@ -135,6 +135,20 @@ class EngineWorker:
                 self._wake.clear()
 
     def _intake(self) -> None:
+        """Take every ticket that arrived: each is admitted, or refused alone."""
+        while self._inbox:
+            ticket = self._inbox.popleft()
+            if ticket.cancelled.is_set():
+                continue
+            try:
+                self._admit(ticket)
+            except Exception as error:  # one request's failure is that request's alone
+                ticket.emit(Event("failed", error=self._refusal(error, ticket)))
+                continue
+            ticket.emit(Event("accepted"))
+
+    def _admit(self, ticket: Ticket) -> None:
+        """Hand one ticket to the engine, or raise why it cannot take it."""
         raise NotImplementedError
 
     def _refusal(self, error: Exception, ticket: Ticket) -> APIError:
@@ -176,18 +190,9 @@ class ArWorker(EngineWorker):
     def running(self) -> int:
         return len(self.engine.scheduler.running)
 
-    def _intake(self) -> None:
-        while self._inbox:
-            ticket = self._inbox.popleft()
-            if ticket.cancelled.is_set():
-                continue
-            try:
-                ticket.seq = self.engine.submit(ticket.request)
-            except Exception as error:  # one request's failure is that request's alone
-                ticket.emit(Event("failed", error=self._refusal(error, ticket)))
-                continue
-            self._active[ticket.seq.seq_id] = ticket
-            ticket.emit(Event("accepted"))
+    def _admit(self, ticket: Ticket) -> None:
+        ticket.seq = self.engine.submit(ticket.request)
+        self._active[ticket.seq.seq_id] = ticket
 
     def _drop_cancelled(self) -> None:
         for seq_id, ticket in list(self._active.items()):
@@ -301,18 +306,9 @@ class DiffusionWorker(EngineWorker):
     def running(self) -> int:
         return len(self._wave)
 
-    def _intake(self) -> None:
-        while self._inbox:
-            ticket = self._inbox.popleft()
-            if ticket.cancelled.is_set():
-                continue
-            try:
-                self.engine.plan(ticket.request)  # refuse before it joins a wave
-            except Exception as error:  # one request's failure is that request's alone
-                ticket.emit(Event("failed", error=self._refusal(error, ticket)))
-                continue
-            self._pending.append(ticket)
-            ticket.emit(Event("accepted"))
+    def _admit(self, ticket: Ticket) -> None:
+        self.engine.plan(ticket.request)  # refuse before it joins a wave
+        self._pending.append(ticket)
 
     def _drop_cancelled(self) -> None:
         self._pending = [t for t in self._pending if not t.cancelled.is_set()]
