@@ -199,7 +199,7 @@ def test_the_installed_script_lists_every_command():
                             env={**os.environ, "COLUMNS": "250"})
     assert result.returncode == 0, result.stderr
     assert "Usage: nowait" in result.stdout
-    for name in {path[0] for path in REGISTERED if path}:
+    for name in {command.split()[0] for command in RUN_HERE | set(RUN_ELSEWHERE)}:
         assert re.search(rf"│ {re.escape(name)}\s", result.stdout), name
 
 

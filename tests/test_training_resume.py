@@ -87,20 +87,20 @@ def log(path: Path) -> list[dict]:
     return [{k: v for k, v in record.items() if k != "elapsed_s"} for record in records]
 
 
-def assert_same_tensors(one, two) -> None:
-    """Nested dicts/lists of tensors and numbers, equal bit for bit."""
+def assert_same_tensors(one, two, where: str = "") -> None:
+    """Nested dicts/lists of tensors and numbers, equal bit for bit; a difference is named by its path."""
     if isinstance(one, torch.Tensor):
-        assert torch.equal(one, two)
+        assert torch.equal(one, two), f"{where}: tensors differ"
     elif isinstance(one, dict):
-        assert one.keys() == two.keys()
+        assert one.keys() == two.keys(), where
         for key in one:
-            assert_same_tensors(one[key], two[key])
+            assert_same_tensors(one[key], two[key], f"{where}[{key!r}]")
     elif isinstance(one, list | tuple):
-        assert len(one) == len(two)
-        for a, b in zip(one, two, strict=True):
-            assert_same_tensors(a, b)
+        assert len(one) == len(two), where
+        for index, (a, b) in enumerate(zip(one, two, strict=True)):
+            assert_same_tensors(a, b, f"{where}[{index}]")
     else:
-        assert one == two
+        assert one == two, where
 
 
 def test_a_killed_run_resumes_to_the_unbroken_result(tiny_start, tmp_path):
@@ -120,11 +120,11 @@ def test_a_killed_run_resumes_to_the_unbroken_result(tiny_start, tmp_path):
     # the resumed steps moved the weights: equality below is not the checkpoint left as it was
     assert not all(torch.equal(a, b) for a, b in zip(at_kill["model"].values(), resumed["model"].values(),
                                                        strict=True))
-    assert_same_tensors(resumed["model"], expected["model"])
-    assert_same_tensors(resumed["optimizer"], expected["optimizer"])
+    assert_same_tensors(resumed["model"], expected["model"], "model")
+    assert_same_tensors(resumed["optimizer"], expected["optimizer"], "optimizer")
     for key in ("step", "data_index", "best", "steps"):
         assert resumed[key] == expected[key], key
     assert log(broken / "run" / "log.jsonl") == log(unbroken / "run" / "log.jsonl")
     assert log(broken / "out" / "training_log.jsonl") == log(unbroken / "out" / "training_log.jsonl")
     assert_same_tensors(load_file(broken / "out" / "model.safetensors"),
-                        load_file(unbroken / "out" / "model.safetensors"))
+                        load_file(unbroken / "out" / "model.safetensors"), "export")
