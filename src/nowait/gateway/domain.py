@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
+from nowait.gateway.tenants import DEFAULT_CALLER, Caller
 from nowait.router import DataClass, RouteRequest
 
 if TYPE_CHECKING:
@@ -64,6 +65,8 @@ class Call:
     # On fallback: the fast engine's answer, which a speculative fallback engine verifies as its
     # draft (the output is still the fallback model's own); other engines ignore it.
     draft_text: str | None = None
+    # Who asked (tenant, key id, what the key allows): the routes and the batch runner stamp it.
+    caller: Caller = DEFAULT_CALLER
 
 
 @dataclass

@@ -10,6 +10,7 @@ import hmac
 from contextlib import suppress
 
 from nowait.gateway.errors import APIError
+from nowait.gateway.tenants import DEFAULT_CALLER, set_caller
 
 
 class ApiKeyMiddleware:
@@ -30,6 +31,8 @@ class ApiKeyMiddleware:
                     self.on_refusal(error)
                 await error.response()(scope, receive, send)
                 return
+        if scope["type"] == "http":
+            set_caller(scope, DEFAULT_CALLER)
         await self.app(scope, receive, send)
 
 
