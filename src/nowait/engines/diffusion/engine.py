@@ -185,7 +185,7 @@ class _Scheduler:
 
     def _merges_prefill(self, everyone: list[RowState]) -> bool:
         """Whether joiners skip the prefill and forward their prompt with their window's first
-        refresh, in one forward (`model.IsolatedPrefix`: the prompt attends only to itself, as
+        refresh, in one forward (`nowait.model.attention.IsolatedPrefix`: the prompt attends only to itself, as
         the prefill would have it): where each refresh runs as a one-row forward (a lone
         request, or rows forwarded one by one). One forward fewer per request; a batched
         refresh keeps the prompts out, as rows of different prompt lengths would pad."""
