@@ -5,6 +5,8 @@
     POST /v1/files, GET /v1/files[/{id}[/content]], DELETE /v1/files/{id}            routes/batch_api.py
     POST /v1/batches, GET /v1/batches[/{id}], POST /v1/batches/{id}/cancel           routes/batch_api.py
     GET  /metrics, /healthz, /readyz                   (no API key needed)           routes/status.py
+    POST /v1/responses       (the Responses API, answered by the chat path)          routes/responses.py
+    GET  /health, /ping, /version; POST /tokenize, /detokenize   (vLLM's)            routes/vllm_compat.py
 
 Handlers only translate: bodies to Calls (calls.py), Outcomes to OpenAI objects (responses.py).
 Routing, fallback and accounting live in dispatch.py; the engines in engines.py (built from the
@@ -26,7 +28,7 @@ from nowait.gateway.domain import Backend
 from nowait.gateway.engines import build_backends
 from nowait.gateway.errors import APIError, install_error_handlers
 from nowait.gateway.middleware import ApiKeyMiddleware, BodyLimitMiddleware
-from nowait.gateway.routes import batch_api, generation, status
+from nowait.gateway.routes import batch_api, generation, responses, status, vllm_compat
 from nowait.gateway.service import Gateway
 
 log = logging.getLogger("nowait.gateway")
@@ -49,6 +51,7 @@ def lifespan_of(config: GatewayConfig, backends: dict[str, Backend] | None
         try:
             yield
         finally:
+            app.state.draining = True  # /health answers 503 from here on
             await gateway.stop()
 
     return lifespan
@@ -66,6 +69,6 @@ def create_app(config: GatewayConfig, backends: dict[str, Backend] | None = None
     install_error_handlers(app, count_error)
     app.add_middleware(BodyLimitMiddleware, limit=config.server.max_request_bytes, on_refusal=count_error)
     app.add_middleware(ApiKeyMiddleware, keys=config.auth.keys(), on_refusal=count_error)  # outermost: keys first
-    for routes in (status, generation, batch_api):
+    for routes in (status, generation, batch_api, responses, vllm_compat):
         app.include_router(routes.router)
     return app

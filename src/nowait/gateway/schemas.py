@@ -227,6 +227,7 @@ class ModelCard(OpenAIObject):
     created: int = Field(default_factory=now)
     owned_by: str = "nowait"
     kind: str | None = None  # nowait: ar, spec, diffusion, remote, router
+    max_model_len: int | None = None  # vLLM's field: prompt plus output tokens the model takes (None: not known)
 
 
 class ModelList(OpenAIObject):

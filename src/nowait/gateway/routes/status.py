@@ -40,8 +40,13 @@ async def metrics(request: Request) -> Response:
 
 
 def model_cards(gateway: Gateway) -> list[ModelCard]:
-    cards = [ModelCard(id=gateway.config.server.router_model, kind="router")]
-    return cards + [ModelCard(id=name, kind=b.kind) for name, b in gateway.backends.items() if b.available]
+    """The router model, then every available engine; `max_model_len` as vLLM states it (the
+    router's: the shortest of its engines', so a request that fits it fits any route)."""
+    engines = [ModelCard(id=name, kind=b.kind, max_model_len=getattr(b, "max_model_len", None))
+               for name, b in gateway.backends.items() if b.available]
+    lengths = [card.max_model_len for card in engines if card.max_model_len is not None]
+    router = ModelCard(id=gateway.config.server.router_model, kind="router", max_model_len=min(lengths, default=None))
+    return [router, *engines]
 
 
 @router.get("/v1/models")
