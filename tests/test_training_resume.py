@@ -1,9 +1,10 @@
 """`nowait train` killed after a checkpoint and run again resumes from RUN_DIR/state.pt and ends
 exactly where the unbroken run ends: same weights, optimizer state, data index, log and export.
 
-The kill is a real SIGKILL of a `nowait train` process, sent by the process itself from the
+The kill is a real SIGKILL of a process running `nowait train`, sent by the process itself from the
 progress callback at a chosen step: nothing of the run is flushed, closed or saved after it, and
-the step is fixed, so the test never races the checkpoint's write.
+the step is fixed, so the test never races the checkpoint's write. The process is a fork of the
+test's own, so it starts with torch and nowait imported (a fresh interpreter spends seconds on that).
 
 Exact equality is what training.py promises here: batches are a pure function of their pool's
 first data index, the checkpoint stores the index of the next pool, and with batch size 1 a pool
@@ -15,9 +16,9 @@ be skipped, as batch_stream documents).
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,35 +26,15 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from nowait import paths
+from nowait import paths, training
 from nowait.checkpoints import save_pretrained
 from nowait.cli import app
 from nowait.tokenizer import TextCodec
-from nowait.training import BUCKETS
 
 from .conftest import build_model
 
 STEPS, EVAL_EVERY, KILL_AT = 8, 4, 6  # checkpoints at 4 and 8; the kill falls between them
-assert EVAL_EVERY % BUCKETS == 0 and EVAL_EVERY < KILL_AT < STEPS
-
-# `nowait train`, whose training loop SIGKILLs its own process once step KILL_AT is reported.
-KILLED_RUN = f"""
-import os, signal, sys
-import nowait.training as training
-from nowait.cli import app
-
-run = training.train
-
-def train_until_killed(*args, progress, **kwargs):
-    def report(step, record):
-        progress(step, record)
-        if step == {KILL_AT}:
-            os.kill(os.getpid(), signal.SIGKILL)
-    return run(*args, progress=report, **kwargs)
-
-training.train = train_until_killed
-app(sys.argv[1:], prog_name="nowait")
-"""
+assert EVAL_EVERY % training.BUCKETS == 0 and EVAL_EVERY < KILL_AT < STEPS
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +56,22 @@ def train(start: Path, run: Path) -> dict:
     result = CliRunner().invoke(app, train_args(start, run))
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout[result.stdout.index("{"):])  # the JSON after the progress bar
+
+
+def train_until_killed(start: Path, run: Path) -> None:
+    """In the forked process: `nowait train`, whose progress callback SIGKILLs the process at KILL_AT."""
+    run_training = training.train
+
+    def train_then_die(*args, progress, **kwargs):
+        def report(step: int, record: dict) -> None:
+            progress(step, record)
+            if step == KILL_AT:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        return run_training(*args, progress=report, **kwargs)
+
+    training.train = train_then_die  # the command imports it when it runs; this process is a copy
+    CliRunner().invoke(app, train_args(start, run))
 
 
 def state(run: Path) -> dict:
@@ -107,9 +104,10 @@ def test_a_killed_run_resumes_to_the_unbroken_result(tiny_start, tmp_path):
     unbroken, broken = tmp_path / "unbroken", tmp_path / "broken"
     assert train(tiny_start, unbroken)["step"] == STEPS
 
-    killed = subprocess.run([sys.executable, "-c", KILLED_RUN, *train_args(tiny_start, broken)],
-                            capture_output=True, text=True, timeout=300)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    killed = multiprocessing.get_context("fork").Process(target=train_until_killed, args=(tiny_start, broken))
+    killed.start()
+    killed.join(timeout=300)  # a bound on a hang, not a speed check
+    assert killed.exitcode == -signal.SIGKILL
     at_kill = state(broken)
     assert at_kill["step"] == EVAL_EVERY  # the last checkpoint before the kill
     assert not (broken / "run" / "settings.json").exists()  # written only when a run ends
