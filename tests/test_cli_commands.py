@@ -43,8 +43,10 @@ RUN_ELSEWHERE = {  # command -> the module whose test runs it for real through n
     "bench engines": "test_bench_engines.py",
     "bench cache-modes": "test_bench_engines.py",
     "bench physics": "test_bench_physics.py",
+    "audit verify": "test_audit_cli.py",
+    "audit spend": "test_audit_cli.py",
 }
-GROUPS = {"bench"}
+GROUPS = {"bench", "audit"}
 # Wide, so that rich never wraps an option's name across lines in the help panels.
 runner = CliRunner(env={"COLUMNS": "250"})
 

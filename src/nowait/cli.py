@@ -16,6 +16,7 @@ from nowait import paths
 from nowait.bench import bench_app
 from nowait.cli_errors import fail
 from nowait.demo.cli import register as register_demo
+from nowait.gateway.audit.cli import register as register_audit
 from nowait.gateway.cli import register as register_serve
 from nowait.planner.cli import register as register_plan
 
@@ -30,6 +31,7 @@ app.add_typer(bench_app, name="bench")
 register_plan(app)
 register_serve(app)
 register_demo(app)
+register_audit(app)
 console = Console()
 err_console = Console(stderr=True)
 

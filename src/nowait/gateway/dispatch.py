@@ -6,7 +6,7 @@
     run it; a failing remote upstream fails over to the owned frontier engine
     a fast-engine (diffusion) answer below the confidence threshold, or not valid for the requested
         schema, re-runs on the fallback engine (AR); both runs are paid for
-    every request, answered or not, goes to the audit log and the metrics
+    every request, answered or not, goes to the audit log and the metrics, with its tenant and key id
 
 Streams: a stream routed to the fast engine is held until its confidence is known (diffusion
 answers in a few parallel passes, and a stream cannot take back text it already sent), then sent;
@@ -20,9 +20,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
+from nowait.gateway.audit.log import AuditLog
 from nowait.gateway.domain import Attempt, AttemptStream, Backend, Call
 from nowait.gateway.errors import APIError, engine_unavailable, forbidden_destination, unknown_model
-from nowait.gateway.ledger import AuditLog
 from nowait.gateway.metrics import GatewayMetrics
 from nowait.gateway.prompts import conforms
 from nowait.gateway.remote import UpstreamFailure
@@ -220,9 +220,14 @@ class Dispatcher:
             self.metrics.observe_error(error.status if error else 500, error.code if error else None)
             if error is not None:
                 error.accounted = True  # the HTTP error handler must not count it again
+        status = 200 if answered else (error.status if error else 500)
+        caller = call.caller
+        self.metrics.observe_tenant(caller.tenant, status, sum(a.prompt_tokens for a in outcome.attempts),
+                                    sum(a.completion_tokens for a in outcome.attempts), outcome.cost_usd)
         self.audit.record({
             "request_id": call.request_id, "endpoint": call.endpoint, "model": call.model,
-            "status": 200 if answered else (error.status if error else 500),
+            "tenant": caller.tenant, "key_id": caller.key_id,  # the key's id, never its secret
+            "status": status,
             "error": None if answered else (error.message if error else "no answer"),
             "route": outcome.final.engine if answered else None, "decision": decision.engine, "rule": decision.rule,
             "reason": outcome.reason, "fallback": outcome.fallback, "fallback_cause": outcome.fallback_cause,

@@ -66,6 +66,11 @@ class GatewayMetrics:
         self.errors = Counter("nowait:request_errors", "Requests answered with an error", ["status", "code"],
                               registry=r)
         self.cost = Counter("nowait:cost_usd", "Dollars spent, per engine", engine, registry=r)
+        self.tenant_requests = Counter("nowait:tenant_requests", "Requests that reached the router, by tenant and "
+                                       "HTTP status", ["tenant", "code"], registry=r)
+        self.tenant_tokens = Counter("nowait:tenant_tokens", "Tokens of every engine run, by tenant (kind: prompt "
+                                     "or completion)", ["tenant", "kind"], registry=r)
+        self.tenant_cost = Counter("nowait:tenant_cost_usd", "Dollars spent, by tenant", ["tenant"], registry=r)
         self.running = Gauge("nowait:num_requests_running", "Requests being decoded", engine, registry=r)
         self.waiting = Gauge("nowait:num_requests_waiting", "Requests queued for an engine", engine, registry=r)
         self.utilization = Gauge("nowait:engine_utilization", "Busy share of the window", engine, registry=r)
@@ -114,6 +119,14 @@ class GatewayMetrics:
                     self._fell_back[fast_engine_ran] = self._fell_back.get(fast_engine_ran, 0) + 1
         if fell_back_to is not None:
             self.fallbacks.labels(fast_engine_ran or engine, fell_back_to, cause).inc()
+
+    def observe_tenant(self, tenant: str, status: int, prompt_tokens: int, completion_tokens: int,
+                       cost_usd: float) -> None:
+        """One request of `tenant` ended (answered or not): what it used, as its audit entry says."""
+        self.tenant_requests.labels(tenant, str(status)).inc()
+        self.tenant_tokens.labels(tenant, "prompt").inc(prompt_tokens)
+        self.tenant_tokens.labels(tenant, "completion").inc(completion_tokens)
+        self.tenant_cost.labels(tenant).inc(cost_usd)
 
     def observe_error(self, status: int, code: str | None) -> None:
         self.errors.labels(str(status), code or "").inc()

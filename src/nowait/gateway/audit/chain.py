@@ -1,0 +1,45 @@
+"""The hash chain of the audit log: what one entry's hash covers, and how entries link.
+
+    line  = canonical(entry)                     the whole line, `hash` included, then "\n"
+    hash  = sha256(canonical(entry - {"hash"}))  hex, over every other field, `prev` and `seq` included
+    prev  = the hash of the same replica's previous entry (GENESIS for its first)
+    seq   = that replica's entry number, 0, 1, 2, ...
+
+canonical(x) is JSON with sorted keys, no spaces (separators "," and ":"), non-ASCII written as
+itself and encoded UTF-8: Python's `json.dumps(x, sort_keys=True, separators=(",", ":"),
+ensure_ascii=False).encode()`. Because the line itself is canonical, any byte changed on it
+changes either its hash or its canonical form, so `verify` notices every edit, even one that
+leaves the parsed JSON equal (a space added, a number respelled).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+GENESIS = "0" * 64  # `prev` of a replica's first entry
+LOCAL_REPLICA = "local"  # the one-process server's chain; a fleet names one chain per replica
+
+
+def canonical(value: Any) -> bytes:
+    """The one byte string an entry is hashed and written as."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def entry_hash(entry: dict[str, Any]) -> str:
+    """SHA-256 (hex) of the entry's canonical JSON without its own `hash` field."""
+    return hashlib.sha256(canonical({k: v for k, v in entry.items() if k != "hash"})).hexdigest()
+
+
+def plain_json(entry: dict[str, Any]) -> dict[str, Any]:
+    """The entry as JSON reads it back (tuples as lists, other objects as their str, a lone
+    surrogate from a client's string as "?"), so the hash written is the hash a reader of the
+    line recomputes."""
+    text = json.dumps(entry, ensure_ascii=False, default=str)
+    return json.loads(text.encode("utf-8", "replace").decode("utf-8"))
+
+
+def fragment_digest(fragment: bytes) -> dict[str, Any]:
+    """How the entry after a torn line vouches for it: its length and SHA-256."""
+    return {"bytes": len(fragment), "sha256": hashlib.sha256(fragment).hexdigest()}
