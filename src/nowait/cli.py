@@ -18,6 +18,7 @@ from nowait.cli_errors import fail
 from nowait.demo.cli import register as register_demo
 from nowait.gateway.audit.cli import register as register_audit
 from nowait.gateway.cli import register as register_serve
+from nowait.gateway.keys_cli import keys_app
 from nowait.planner.cli import register as register_plan
 
 if TYPE_CHECKING:  # torch and the engines load when a command runs, not with the CLI
@@ -28,6 +29,7 @@ if TYPE_CHECKING:  # torch and the engines load when a command runs, not with th
 app = typer.Typer(help="nowait: route each request to the engine that pays, and plan the fleet.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 app.add_typer(bench_app, name="bench")
+app.add_typer(keys_app, name="keys")
 register_plan(app)
 register_serve(app)
 register_demo(app)

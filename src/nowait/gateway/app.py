@@ -5,6 +5,7 @@
     POST /v1/files, GET /v1/files[/{id}[/content]], DELETE /v1/files/{id}            routes/batch_api.py
     POST /v1/batches, GET /v1/batches[/{id}], POST /v1/batches/{id}/cancel           routes/batch_api.py
     GET  /metrics, /healthz, /readyz                   (no API key needed)           routes/status.py
+    POST /admin/keys, GET /admin/keys, DELETE /admin/keys/{id}   (admin keys only)    routes/admin.py
     POST /v1/responses       (the Responses API, answered by the chat path)          routes/responses.py
     GET  /health, /ping, /version; POST /tokenize, /detokenize   (vLLM's)            routes/vllm_compat.py
 
@@ -27,8 +28,8 @@ from nowait.gateway.config import GatewayConfig
 from nowait.gateway.domain import Backend
 from nowait.gateway.engines import build_backends
 from nowait.gateway.errors import APIError, install_error_handlers
-from nowait.gateway.middleware import ApiKeyMiddleware, BodyLimitMiddleware
-from nowait.gateway.routes import batch_api, generation, responses, status, vllm_compat
+from nowait.gateway.middleware import ApiKeyMiddleware, BodyLimitMiddleware, TenantLimitMiddleware
+from nowait.gateway.routes import admin, batch_api, generation, responses, status, vllm_compat
 from nowait.gateway.service import Gateway
 
 log = logging.getLogger("nowait.gateway")
@@ -68,7 +69,9 @@ def create_app(config: GatewayConfig, backends: dict[str, Backend] | None = None
 
     install_error_handlers(app, count_error)
     app.add_middleware(BodyLimitMiddleware, limit=config.server.max_request_bytes, on_refusal=count_error)
-    app.add_middleware(ApiKeyMiddleware, keys=config.auth.keys(), on_refusal=count_error)  # outermost: keys first
-    for routes in (status, generation, batch_api, responses, vllm_compat):
+    app.add_middleware(TenantLimitMiddleware, limits=lambda: app.state.gateway.limits, on_refusal=count_error)
+    app.add_middleware(ApiKeyMiddleware, authenticator=lambda: app.state.gateway.authenticator,
+                       on_refusal=count_error)  # outermost: keys first
+    for routes in (status, generation, batch_api, responses, vllm_compat, admin):
         app.include_router(routes.router)
     return app

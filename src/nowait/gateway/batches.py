@@ -17,6 +17,11 @@ spent twice; its answer appears once).
 Statuses: validating -> in_progress -> finalizing -> completed; validating -> failed (bad input);
 validating/in_progress -> cancelling -> cancelled (lines answered so far are kept; the others
 are listed in the error file with code `batch_cancelled`).
+
+Ownership: every file and batch records its tenant (and a batch the key that created it); a
+lookup with a tenant finds only that tenant's objects, and a batch's output and error files are
+its tenant's. A store written before tenants existed opens with its objects in the tenant
+`default` (the columns are added on open).
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from nowait.gateway.schemas import Batch, BatchError, BatchErrors, BatchRequestCounts, FileObject
+from nowait.gateway.tenants import DEFAULT_TENANT
 
 log = logging.getLogger("nowait.gateway")
 
@@ -43,22 +49,43 @@ MAX_LINES = 50_000
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
 MAX_PROCESS_FAILURES = 5  # failed passes before a batch still validating is marked failed
 
-# execute(endpoint, body, request_id) -> (HTTP status, response body): the same path an HTTP request takes.
-Executor = Callable[[str, dict, str], Awaitable[tuple[int, dict, float | None]]]
+
+
+class BatchOwner(NamedTuple):
+    """Who a batch belongs to: its tenant, and the key that created it (None: a configured key)."""
+
+    tenant: str
+    key_id: str | None = None
+
+
+DEFAULT_OWNER = BatchOwner(DEFAULT_TENANT)
+
+# execute(endpoint, body, request_id, owner) -> (HTTP status, response body, retry after): the
+# same path an HTTP request takes, as the batch's owner.
+Executor = Callable[[str, dict, str, BatchOwner], Awaitable[tuple[int, dict, float | None]]]
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
     id TEXT PRIMARY KEY, purpose TEXT NOT NULL, filename TEXT NOT NULL, bytes INTEGER NOT NULL,
-    created_at INTEGER NOT NULL, content BLOB NOT NULL);
+    created_at INTEGER NOT NULL, content BLOB NOT NULL, tenant TEXT NOT NULL DEFAULT 'default');
 CREATE TABLE IF NOT EXISTS batches (
     id TEXT PRIMARY KEY, status TEXT NOT NULL, endpoint TEXT NOT NULL, input_file_id TEXT NOT NULL,
     completion_window TEXT NOT NULL, metadata TEXT, created_at INTEGER NOT NULL, in_progress_at INTEGER,
     expires_at INTEGER, finalizing_at INTEGER, completed_at INTEGER, failed_at INTEGER, cancelling_at INTEGER,
-    cancelled_at INTEGER, output_file_id TEXT, error_file_id TEXT, errors TEXT);
+    cancelled_at INTEGER, output_file_id TEXT, error_file_id TEXT, errors TEXT,
+    tenant TEXT NOT NULL DEFAULT 'default', key_id TEXT);
 CREATE TABLE IF NOT EXISTS batch_lines (
     batch_id TEXT NOT NULL, line INTEGER NOT NULL, custom_id TEXT NOT NULL, body TEXT NOT NULL,
     status_code INTEGER, response TEXT, request_id TEXT, answered_at INTEGER,
     PRIMARY KEY (batch_id, line));
+"""
+# Columns added since the first schema, added to an older store when it opens (same order as above).
+MIGRATIONS = (("files", "tenant", "TEXT NOT NULL DEFAULT 'default'"),
+              ("batches", "tenant", "TEXT NOT NULL DEFAULT 'default'"),
+              ("batches", "key_id", "TEXT"))
+INDEXES = """
+CREATE INDEX IF NOT EXISTS files_tenant ON files (tenant);
+CREATE INDEX IF NOT EXISTS batches_tenant ON batches (tenant);
 """
 
 
@@ -120,8 +147,16 @@ def parse_input(content: bytes, endpoint: str) -> list[tuple[int, str, str]]:
     return lines
 
 
+def _owned(condition: str, args: tuple, tenant: str | None) -> tuple[str, tuple]:
+    """`condition`, narrowed to one tenant's rows when a tenant is given."""
+    if tenant is None:
+        return condition, args
+    return f"{condition} AND tenant = ?", (*args, tenant)
+
+
 class BatchStore:
-    """Files, batches and their lines in one SQLite file; every method is one transaction."""
+    """Files, batches and their lines in one SQLite file; every method is one transaction. Lookups
+    given a tenant see that tenant's objects only (None: any, for the runner)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -132,6 +167,14 @@ class BatchStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(SCHEMA)
+        self._migrate()
+
+    def _migrate(self) -> None:
+        for table, column, declaration in MIGRATIONS:
+            present = {row["name"] for row in self._db.execute(f"PRAGMA table_info({table})")}
+            if column not in present:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
+        self._db.executescript(INDEXES)
 
     def close(self) -> None:
         with self._lock:
@@ -154,12 +197,13 @@ class BatchStore:
 
     # --- files ---
 
-    def create_file(self, filename: str, purpose: str, content: bytes, file_id: str | None = None) -> FileObject:
+    def create_file(self, filename: str, purpose: str, content: bytes, file_id: str | None = None,
+                    tenant: str = DEFAULT_TENANT) -> FileObject:
         file_id = file_id or f"file-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         self._transaction(lambda db: db.execute(
-            "INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?, ?)",
-            (file_id, purpose, filename, len(content), created, content)))
+            "INSERT OR REPLACE INTO files (id, purpose, filename, bytes, created_at, content, tenant) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)", (file_id, purpose, filename, len(content), created, content, tenant)))
         return FileObject(id=file_id, bytes=len(content), created_at=created, filename=filename, purpose=purpose)
 
     @staticmethod
@@ -167,36 +211,38 @@ class BatchStore:
         return FileObject(id=row["id"], bytes=row["bytes"], created_at=row["created_at"], filename=row["filename"],
                           purpose=row["purpose"])
 
-    def get_file(self, file_id: str) -> FileObject | None:
-        rows = self._query("SELECT id, purpose, filename, bytes, created_at FROM files WHERE id = ?", (file_id,))
+    def get_file(self, file_id: str, tenant: str | None = None) -> FileObject | None:
+        """The file, if it exists and (given a tenant) is that tenant's."""
+        where, args = _owned("id = ?", (file_id,), tenant)
+        rows = self._query(f"SELECT id, purpose, filename, bytes, created_at FROM files WHERE {where}", args)
         return self._file(rows[0]) if rows else None
 
-    def file_content(self, file_id: str) -> bytes | None:
-        rows = self._query("SELECT content FROM files WHERE id = ?", (file_id,))
+    def file_content(self, file_id: str, tenant: str | None = None) -> bytes | None:
+        where, args = _owned("id = ?", (file_id,), tenant)
+        rows = self._query(f"SELECT content FROM files WHERE {where}", args)
         return bytes(rows[0]["content"]) if rows else None
 
-    def list_files(self, purpose: str | None = None, limit: int = 10000) -> list[FileObject]:
-        sql = "SELECT id, purpose, filename, bytes, created_at FROM files"
-        args: tuple = ()
-        if purpose:
-            sql, args = sql + " WHERE purpose = ?", (purpose,)
-        return [self._file(r) for r in self._query(sql + " ORDER BY rowid DESC LIMIT ?", (*args, limit))]
+    def list_files(self, purpose: str | None = None, limit: int = 10000, tenant: str | None = None) -> list[FileObject]:
+        where, args = _owned("purpose = ?" if purpose else "1 = 1", (purpose,) if purpose else (), tenant)
+        return [self._file(r) for r in self._query(f"SELECT id, purpose, filename, bytes, created_at FROM files "
+                                                   f"WHERE {where} ORDER BY rowid DESC LIMIT ?", (*args, limit))]
 
-    def delete_file(self, file_id: str) -> bool:
-        return self._transaction(lambda db: db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount) > 0
+    def delete_file(self, file_id: str, tenant: str | None = None) -> bool:
+        where, args = _owned("id = ?", (file_id,), tenant)
+        return self._transaction(lambda db: db.execute(f"DELETE FROM files WHERE {where}", args).rowcount) > 0
 
     # --- batches ---
 
     def create_batch(self, input_file_id: str, endpoint: str, completion_window: str,
-                     metadata: dict[str, str] | None) -> Batch:
+                     metadata: dict[str, str] | None, owner: BatchOwner = DEFAULT_OWNER) -> Batch:
         batch_id = f"batch_{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         expires = created + COMPLETION_WINDOWS[completion_window]
         self._transaction(lambda db: db.execute(
             "INSERT INTO batches (id, status, endpoint, input_file_id, completion_window, metadata, created_at, "
-            "expires_at) VALUES (?, 'validating', ?, ?, ?, ?, ?, ?)",
+            "expires_at, tenant, key_id) VALUES (?, 'validating', ?, ?, ?, ?, ?, ?, ?, ?)",
             (batch_id, endpoint, input_file_id, completion_window, json.dumps(metadata) if metadata else None,
-             created, expires)))
+             created, expires, owner.tenant, owner.key_id)))
         return self.get_batch(batch_id)
 
     def _batch(self, row: sqlite3.Row, counts: BatchRequestCounts) -> Batch:
@@ -218,12 +264,19 @@ class BatchStore:
             "FROM batch_lines WHERE batch_id = ?", (batch_id,))
         return BatchRequestCounts(total=row["total"] or 0, completed=row["completed"] or 0, failed=row["failed"] or 0)
 
-    def get_batch(self, batch_id: str) -> Batch | None:
-        rows = self._query("SELECT * FROM batches WHERE id = ?", (batch_id,))
+    def get_batch(self, batch_id: str, tenant: str | None = None) -> Batch | None:
+        """The batch, if it exists and (given a tenant) is that tenant's."""
+        where, args = _owned("id = ?", (batch_id,), tenant)
+        rows = self._query(f"SELECT * FROM batches WHERE {where}", args)
         return self._batch(rows[0], self.counts(batch_id)) if rows else None
 
-    def list_batches(self, limit: int = 20, after: str | None = None) -> list[Batch]:
-        rows = self._query("SELECT * FROM batches ORDER BY rowid DESC")
+    def owner(self, batch_id: str) -> BatchOwner:
+        [row] = self._query("SELECT tenant, key_id FROM batches WHERE id = ?", (batch_id,))
+        return BatchOwner(row["tenant"], row["key_id"])
+
+    def list_batches(self, limit: int = 20, after: str | None = None, tenant: str | None = None) -> list[Batch]:
+        where, args = _owned("1 = 1", (), tenant)
+        rows = self._query(f"SELECT * FROM batches WHERE {where} ORDER BY rowid DESC", args)
         if after is not None:
             ids = [r["id"] for r in rows]
             rows = rows[ids.index(after) + 1:] if after in ids else []
@@ -253,10 +306,11 @@ class BatchStore:
             "UPDATE batches SET status = 'failed', failed_at = ?, errors = ? WHERE id = ?",
             (int(time.time()), json.dumps([e.model_dump() for e in errors]), batch_id)))
 
-    def request_cancel(self, batch_id: str) -> bool:
+    def request_cancel(self, batch_id: str, tenant: str | None = None) -> bool:
+        where, args = _owned("id = ?", (batch_id,), tenant)
         return self._transaction(lambda db: db.execute(
-            "UPDATE batches SET status = 'cancelling', cancelling_at = ? WHERE id = ? AND status IN "
-            "('validating', 'in_progress')", (int(time.time()), batch_id)).rowcount) > 0
+            f"UPDATE batches SET status = 'cancelling', cancelling_at = ? WHERE {where} AND status IN "
+            "('validating', 'in_progress')", (int(time.time()), *args)).rowcount) > 0
 
     def pending_lines(self, batch_id: str) -> list[tuple[int, str, dict]]:
         rows = self._query("SELECT line, custom_id, body FROM batch_lines WHERE batch_id = ? AND status_code IS NULL "
@@ -276,6 +330,7 @@ class BatchStore:
             now = int(time.time())
             rows = db.execute("SELECT line, custom_id, status_code, response, request_id FROM batch_lines "
                               "WHERE batch_id = ? ORDER BY line", (batch_id,)).fetchall()
+            [owner] = db.execute("SELECT tenant FROM batches WHERE id = ?", (batch_id,)).fetchall()
             output, errors = [], []
             for r in rows:
                 entry: dict[str, Any] = {"id": f"batch_req_{batch_id.removeprefix('batch_')}_{r['line']}",
@@ -294,8 +349,9 @@ class BatchStore:
                     continue
                 content = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries).encode()
                 file_id = f"file-{batch_id}-{kind}"
-                db.execute("INSERT OR REPLACE INTO files VALUES (?, 'batch_output', ?, ?, ?, ?)",
-                           (file_id, f"{batch_id}_{kind}.jsonl", len(content), now, content))
+                db.execute("INSERT OR REPLACE INTO files (id, purpose, filename, bytes, created_at, content, tenant) "
+                           "VALUES (?, 'batch_output', ?, ?, ?, ?, ?)",
+                           (file_id, f"{batch_id}_{kind}.jsonl", len(content), now, content, owner["tenant"]))
                 file_ids[kind] = file_id
             stamp = "completed_at" if final_status == "completed" else "cancelled_at"
             db.execute(f"UPDATE batches SET status = ?, {stamp} = ?, output_file_id = ?, error_file_id = ?, "
@@ -371,7 +427,8 @@ class BatchRunner:
         store = self.store
         batch = await asyncio.to_thread(store.get_batch, batch_id)
         if batch.status == "validating":
-            content = await asyncio.to_thread(store.file_content, batch.input_file_id)
+            owner = await asyncio.to_thread(store.owner, batch_id)
+            content = await asyncio.to_thread(store.file_content, batch.input_file_id, owner.tenant)
             try:
                 if content is None:
                     raise BatchInputError([BatchError(code="invalid_input_file",
@@ -393,13 +450,14 @@ class BatchRunner:
     async def _answer_lines(self, batch_id: str, endpoint: str) -> None:
         slots = asyncio.Semaphore(self.max_concurrent)
         tasks: set[asyncio.Task] = set()
+        owner = await asyncio.to_thread(self.store.owner, batch_id)
         try:
-            for line, custom_id, body in await asyncio.to_thread(self.store.pending_lines, batch_id):
+            for line, _custom_id, body in await asyncio.to_thread(self.store.pending_lines, batch_id):
                 await slots.acquire()
                 if await asyncio.to_thread(self.store.status, batch_id) != "in_progress":  # cancelled: run nothing new
                     slots.release()
                     break
-                task = asyncio.create_task(self._answer(batch_id, endpoint, line, custom_id, body))
+                task = asyncio.create_task(self._answer(batch_id, endpoint, line, body, owner))
                 task.add_done_callback(lambda _t: slots.release())
                 tasks.add(task)
             await asyncio.gather(*tasks)
@@ -408,15 +466,16 @@ class BatchRunner:
                 task.cancel()
             raise
 
-    async def _answer(self, batch_id: str, endpoint: str, line: int, custom_id: str, body: dict) -> None:
+    async def _answer(self, batch_id: str, endpoint: str, line: int, body: dict, owner: BatchOwner) -> None:
         request_id = f"req_{batch_id.removeprefix('batch_')}_{line}"
         while True:
-            status, response, retry_after = await self.execute(endpoint, body, request_id)
-            if status != 429:
+            status, response, retry_after = await self.execute(endpoint, body, request_id, owner)
+            if status != 429 or (response.get("error") or {}).get("code") == "insufficient_quota":
                 break
-            # A full engine queue is back-pressure, not an answer: wait and try again while the
-            # batch runs (a cancelled batch leaves the line unanswered). An engine that is not
-            # available (503) is an answer: waiting for it would hold up every later batch.
+            # A full engine queue, or the key's rate limit, is back-pressure, not an answer: wait
+            # and try again while the batch runs (a cancelled batch leaves the line unanswered).
+            # An engine that is not available (503) is an answer: waiting for it would hold up
+            # every later batch; so is a spent budget, which lasts until the next day.
             await asyncio.sleep(retry_after or 0.5)
             if await asyncio.to_thread(self.store.status, batch_id) != "in_progress":
                 return

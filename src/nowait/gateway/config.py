@@ -71,15 +71,26 @@ class ServerConfig(Strict):
                                                                            "file included); more gets 413")
 
 
+def _keys_from(listed: list[str], env: str | None) -> set[str]:
+    keys = set(listed)
+    if env and os.environ.get(env):
+        keys |= {k.strip() for k in os.environ[env].split(",") if k.strip()}
+    return keys
+
+
 class AuthConfig(Strict):
-    api_keys: list[str] = Field(default_factory=list)
+    api_keys: list[str] = Field(default_factory=list, description="keys of the tenant `default`, without limits")
     api_keys_env: str | None = Field("NOWAIT_API_KEYS", description="comma-separated keys in this variable")
+    admin_keys: list[str] = Field(default_factory=list, description="keys for /admin/keys (and nothing else)")
+    admin_keys_env: str | None = Field("NOWAIT_ADMIN_KEYS", description="comma-separated admin keys")
+    database: Path | None = Field(None, description="SQLite file of the tenants' keys (`nowait keys`; default "
+                                                    "keys.sqlite beside the batch store)")
 
     def keys(self) -> set[str]:
-        keys = set(self.api_keys)
-        if self.api_keys_env and os.environ.get(self.api_keys_env):
-            keys |= {k.strip() for k in os.environ[self.api_keys_env].split(",") if k.strip()}
-        return keys
+        return _keys_from(self.api_keys, self.api_keys_env)
+
+    def admin(self) -> set[str]:
+        return _keys_from(self.admin_keys, self.admin_keys_env)
 
 
 class BatchConfig(Strict):
@@ -171,6 +182,10 @@ class GatewayConfig(Strict):
         return self.batches.database or self.data_dir / "batches.sqlite"
 
     @property
+    def key_database(self) -> Path:
+        return self.auth.database or self.batch_database.parent / "keys.sqlite"
+
+    @property
     def audit_log_path(self) -> Path:
         return self.audit_log or self.data_dir / "audit.jsonl"
 
@@ -220,8 +235,9 @@ def _resolve_paths(config: GatewayConfig, base: Path) -> GatewayConfig:
                 update["draft"] = str(base / engine.draft)
         engines[name] = engine.model_copy(update=update)
     batches = config.batches.model_copy(update={"database": resolve(config.batches.database)})
+    auth = config.auth.model_copy(update={"database": resolve(config.auth.database)})
     return config.model_copy(update={"engines": engines, "data_dir": resolve(config.data_dir),
-                                     "audit_log": resolve(config.audit_log), "batches": batches})
+                                     "audit_log": resolve(config.audit_log), "batches": batches, "auth": auth})
 
 
 def parse_config(data: Any, source: str = "config", base: Path | None = None) -> GatewayConfig:

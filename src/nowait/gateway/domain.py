@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from nowait.gateway.tenants import DEFAULT_CALLER, Caller
+from nowait.gateway.tenants import Caller, current_caller
 from nowait.router import DataClass, RouteRequest
 
 if TYPE_CHECKING:
@@ -65,8 +65,15 @@ class Call:
     # On fallback: the fast engine's answer, which a speculative fallback engine verifies as its
     # draft (the output is still the fallback model's own); other engines ignore it.
     draft_text: str | None = None
-    # Who asked (tenant, key id, what the key allows): the routes and the batch runner stamp it.
-    caller: Caller = DEFAULT_CALLER
+    # Who asked (tenant, key id, what the key allows): the request's or batch line's (tenants.py).
+    caller: Caller = field(default_factory=current_caller)
+
+    def __post_init__(self) -> None:
+        # A key's data-class floor holds whatever the request declares: a restricted key's
+        # request is restricted, so no rule or pin can send it off the premises.
+        floored = self.caller.floored(self.meta.data_class)
+        if floored != self.meta.data_class:
+            self.meta = replace(self.meta, data_class=floored)
 
 
 @dataclass

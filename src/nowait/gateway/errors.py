@@ -68,6 +68,11 @@ def forbidden_destination(message: str) -> APIError:
     return APIError(403, message, type="permission_error", param="model", code="data_class_forbidden")
 
 
+def model_not_allowed(model: str, allowed: list[str]) -> APIError:
+    return APIError(403, f"This API key may not use the model `{model}`; it may use: {', '.join(allowed)}",
+                    type="permission_error", param="model", code="model_not_allowed")
+
+
 def _location(loc: tuple) -> str | None:
     parts = [str(p) for p in loc if p != "body"]
     return ".".join(parts) or None

@@ -1,39 +1,85 @@
-"""The two ASGI layers in front of every route: API keys (401) and the request body limit (413).
+"""The ASGI layers in front of every route: API keys (401, auth.py), the tenants' limits (429,
+limits.py) and the request body limit (413).
 
-Both run before a body is read, and both report each refusal (`on_refusal`) so the metrics
+All run before a body is read, and all report each refusal (`on_refusal`) so the metrics
 count it like any other error answered.
 """
 
 from __future__ import annotations
 
-import hmac
+from collections.abc import Callable
 from contextlib import suppress
 
+from nowait.gateway.auth import Authenticator
 from nowait.gateway.errors import APIError
-from nowait.gateway.tenants import DEFAULT_CALLER, set_caller
+from nowait.gateway.limits import TenantLimits
+from nowait.gateway.tenants import caller_in, set_caller
 
 
 class ApiKeyMiddleware:
-    """401 for /v1 requests without one of the configured keys (a pure ASGI layer: it runs before
-    the body is read, so an unauthenticated client learns nothing about its request)."""
+    """401 for /v1 and /admin requests without a key that opens them (auth.py); the caller of
+    every other /v1 request recorded in the ASGI state (tenants.py). A pure ASGI layer: it runs
+    before the body is read, so an unauthenticated client learns nothing about its request."""
 
-    def __init__(self, app, keys: set[str], on_refusal=None) -> None:
-        self.app, self.keys, self.on_refusal = app, [k.encode() for k in keys], on_refusal
+    def __init__(self, app, authenticator: Callable[[], Authenticator], on_refusal=None) -> None:
+        # The authenticator is the running gateway's (its key store opens with the server), so
+        # it is looked up per request rather than held.
+        self.app, self.authenticator, self.on_refusal = app, authenticator, on_refusal
 
     async def __call__(self, scope, receive, send) -> None:
-        if self.keys and scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http":
             header = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = header.partition(b" ")
-            if scheme.lower() != b"bearer" or not any(hmac.compare_digest(token.strip(), k) for k in self.keys):
-                error = APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>` with a key "
-                                      "from the gateway's configuration", code="invalid_api_key")
+            try:
+                caller = self.authenticator().authenticate(scope["path"], header)
+            except APIError as error:
                 if self.on_refusal is not None:
                     self.on_refusal(error)
                 await error.response()(scope, receive, send)
                 return
-        if scope["type"] == "http":
-            set_caller(scope, DEFAULT_CALLER)
+            if caller is not None:
+                set_caller(scope, caller)
         await self.app(scope, receive, send)
+
+
+# Requests that ask a model for an answer count against a key's limits; uploads and batch
+# bookkeeping do not (a batch's lines count one by one as they run).
+UNCOUNTED_PREFIXES = ("/v1/files", "/v1/batches", "/v1/models")
+
+
+def counts_against_limits(method: str, path: str) -> bool:
+    return method == "POST" and path.startswith("/v1/") and not path.startswith(UNCOUNTED_PREFIXES)
+
+
+class TenantLimitMiddleware:
+    """429 for a model request whose key is over its rate limits or its tenant's budget
+    (limits.py), before the body is read; the `x-ratelimit-*` headers on every /v1 answer to a
+    limited key. Runs inside the API-key layer, which names the caller."""
+
+    def __init__(self, app, limits: Callable[[], TenantLimits], on_refusal=None) -> None:
+        self.app, self.limits, self.on_refusal = app, limits, on_refusal
+
+    async def __call__(self, scope, receive, send) -> None:
+        caller = caller_in(scope) if scope["type"] == "http" else None
+        if caller is None or not caller.limited or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        limits = self.limits()
+        if counts_against_limits(scope["method"], scope["path"]):
+            try:
+                limits.admit(caller)
+            except APIError as error:
+                if self.on_refusal is not None:
+                    self.on_refusal(error)
+                await error.response()(scope, receive, send)
+                return
+
+        async def send_with_headers(message) -> None:
+            if message["type"] == "http.response.start":
+                extra = [(k.encode(), v.encode()) for k, v in limits.headers(caller).items()]
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
 
 
 class BodyTooLarge(Exception):

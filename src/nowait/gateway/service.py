@@ -1,5 +1,6 @@
 """What a running server holds (`Gateway`): config, engines, dispatcher, metrics, ledger, the batch
-store and its runner; and the one path a batch line takes through them (`Gateway.execute`).
+store and its runner, the key store and the tenants' limits; and the one path a batch line takes
+through them (`Gateway.execute`, as the key that created its batch).
 
 The app (app.py) builds one in its lifespan and keeps it in `app.state`; the route handlers
 (routes/) reach it with `gateway_of(request)`.
@@ -9,20 +10,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from fastapi import Request
 from pydantic import ValidationError
 
-from nowait.gateway.batches import BatchRunner, BatchStore
+from nowait.gateway.auth import Authenticator, unauthorized
+from nowait.gateway.batches import DEFAULT_OWNER, BatchOwner, BatchRunner, BatchStore
 from nowait.gateway.calls import chat_calls, completion_calls, prompts_of
 from nowait.gateway.config import GatewayConfig
-from nowait.gateway.dispatch import Dispatcher, Outcome
+from nowait.gateway.dispatch import Outcome
 from nowait.gateway.domain import Backend, Call
 from nowait.gateway.errors import APIError, bad_request
+from nowait.gateway.keys import SqliteKeyStore
 from nowait.gateway.ledger import AuditLog
+from nowait.gateway.limits import TenantLimits
 from nowait.gateway.metrics import GatewayMetrics
 from nowait.gateway.responses import chat_completion, text_completion
 from nowait.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from nowait.gateway.tenant_dispatch import TenantDispatcher
+from nowait.gateway.tenants import CURRENT_CALLER, Caller
 from nowait.router import restrict_to_available
 
 log = logging.getLogger("nowait.gateway")
@@ -43,11 +50,17 @@ class Gateway:
                         config.routing.fast_engine, self.policy.batch_engine)
         self.metrics = GatewayMetrics()
         self.audit = AuditLog(config.audit_log_path)
-        self.dispatcher = Dispatcher(backends, self.policy, config.server.router_model, self.metrics, self.audit,
-                                     config.server.request_timeout_s)
+        self.limits = TenantLimits()
+        self.dispatcher = TenantDispatcher(backends, self.policy, config.server.router_model, self.metrics,
+                                           self.audit, config.server.request_timeout_s, limits=self.limits)
         self.store = BatchStore(config.batch_database)
         self.runner = BatchRunner(self.store, self.execute, config.batches.max_concurrent_lines)
-        self.api_keys = config.auth.keys()
+        self.keys = SqliteKeyStore(config.key_database)
+        self.authenticator = Authenticator(config.auth.keys(), config.auth.admin(), self.keys)
+
+    def use_clock(self, clock: Callable[[], float]) -> None:
+        """One clock for key expiry, rate windows and budget days (tests move time with it)."""
+        self.limits.clock = self.authenticator.clock = self.keys.clock = clock
 
     async def start(self) -> None:
         for backend in self.backends.values():
@@ -59,6 +72,7 @@ class Gateway:
         for backend in self.backends.values():
             await backend.stop()
         self.store.close()
+        self.keys.close()
         self.audit.close()
 
     def ready(self) -> bool:
@@ -90,10 +104,25 @@ class Gateway:
                 raise result
         return list(results)
 
-    async def execute(self, endpoint: str, body: dict, request_id: str) -> tuple[int, dict, float | None]:
-        """One batch line, through the same path as an HTTP request (batchable by default)."""
+    def batch_caller(self, owner: BatchOwner) -> Caller:
+        """The caller a batch's lines run as: the key that created it, as the store holds it now (a
+        revoked or expired key's lines are refused), or its tenant for a configured key's batch."""
+        if owner.key_id is None:
+            return Caller(tenant=owner.tenant)
+        record = self.keys.get(owner.key_id)
+        if record is None or not record.usable_at(self.authenticator.clock()):
+            raise unauthorized(f"API key {owner.key_id}, which created this batch, has been revoked or has expired")
+        return record.caller()
+
+    async def execute(self, endpoint: str, body: dict, request_id: str,
+                      owner: BatchOwner = DEFAULT_OWNER) -> tuple[int, dict, float | None]:
+        """One batch line, through the same path as an HTTP request (batchable by default), as the
+        batch's key: its models, floor, limits and budget."""
         defaults, data_class = self.config.defaults, self.config.batches.data_class
         try:
+            caller = await asyncio.to_thread(self.batch_caller, owner)
+            CURRENT_CALLER.set(caller)  # this line's task only: the Calls below take it
+            self.limits.admit(caller)
             if endpoint == "/v1/chat/completions":
                 chat = ChatCompletionRequest.model_validate(body)
                 if chat.stream:

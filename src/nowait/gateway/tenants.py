@@ -1,16 +1,19 @@
 """Who is calling: the authenticated `Caller` of a request (its tenant, its key and what the key
 allows), and where each layer finds it.
 
-The auth layer (middleware.py) puts the Caller into the ASGI scope's state before any route runs
-(`request.state.caller`, `scope["state"]["caller"]`); the routes stamp it on every `Call` they
-build (`Call.caller`), so the dispatcher, the ledger and the audit log read the tenant and the key
-id from the Call. A batch line runs as the key that created its batch. The key records themselves
-live in keys.py; the rate limits and budgets in limits.py.
+The auth layer (middleware.py) records the Caller before any route runs, twice: in the ASGI
+scope's state (`request.state.caller`, `scope["state"]["caller"]`) and in the context variable
+`CURRENT_CALLER`, which every `Call` built while the request runs takes as its `Call.caller`
+(domain.py). So no route can forget to stamp it, and the dispatcher, the ledger and the audit log
+read the tenant and the key id from the Call. A batch line runs as the key that created its batch
+(the batch runner sets the variable for the line). A Call's data class is never below its
+caller's floor. The key records live in keys.py; the rate limits and budgets in limits.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,9 +60,19 @@ class Caller:
 DEFAULT_CALLER = Caller()  # a key of the configuration, or anyone on an open (keyless, loopback) server
 
 
+# The caller of the request (or batch line) being served in this context: asyncio copies it into
+# the tasks a request starts, and a Call takes it by default.
+CURRENT_CALLER: ContextVar[Caller] = ContextVar("nowait_caller", default=DEFAULT_CALLER)
+
+
+def current_caller() -> Caller:
+    return CURRENT_CALLER.get()
+
+
 def set_caller(scope: dict[str, Any], caller: Caller) -> None:
-    """Record the caller of an ASGI request (before the routes run)."""
+    """Record the caller of an ASGI request (before the routes run, in the request's own task)."""
     scope.setdefault("state", {})["caller"] = caller
+    CURRENT_CALLER.set(caller)
 
 
 def caller_in(scope: Mapping[str, Any]) -> Caller:

@@ -3,7 +3,9 @@
     POST /v1/files, GET /v1/files[/{id}[/content]], DELETE /v1/files/{id}
     POST /v1/batches, GET /v1/batches[/{id}], POST /v1/batches/{id}/cancel
 
-The store is synchronous (sqlite3), so each call runs in a thread off the event loop.
+The store is synchronous (sqlite3), so each call runs in a thread off the event loop. Every
+object belongs to the caller's tenant: another tenant's id answers exactly as an id that does
+not exist (404; never 403, which would tell that it exists), and lists show the caller's own.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from typing import TypeVar
 from fastapi import APIRouter, File, Form, Request, UploadFile
 from fastapi.responses import Response
 
-from nowait.gateway.batches import BATCH_ENDPOINTS, COMPLETION_WINDOWS
+from nowait.gateway.batches import BATCH_ENDPOINTS, COMPLETION_WINDOWS, BatchOwner
 from nowait.gateway.errors import APIError, bad_request
 from nowait.gateway.schemas import Batch, BatchCreateRequest, BatchList, FileDeleted, FileList, FileObject
 from nowait.gateway.service import gateway_of
+from nowait.gateway.tenants import caller_in
 
 T = TypeVar("T")
 
@@ -27,20 +30,27 @@ FILE_PURPOSES = ("batch", "batch_output", "user_data", "assistants", "fine-tune"
 router = APIRouter()
 
 
-async def stored(lookup: Callable[[str], T | None], object_id: str, what: str, param: str, code: str) -> T:
-    """The stored object `lookup` finds, or the 404 OpenAI answers for a missing one."""
-    found = await asyncio.to_thread(lookup, object_id)
+def tenant_of(request: Request) -> str:
+    return caller_in(request.scope).tenant
+
+
+async def stored(lookup: Callable[[str, str], T | None], object_id: str, tenant: str, what: str, param: str,
+                 code: str) -> T:
+    """The caller's stored object `lookup` finds, or the 404 OpenAI answers for a missing one."""
+    found = await asyncio.to_thread(lookup, object_id, tenant)
     if found is None:
         raise APIError(404, f"No such {what} object: {object_id}", param=param, code=code)
     return found
 
 
 async def existing_file(request: Request, file_id: str) -> FileObject:
-    return await stored(gateway_of(request).store.get_file, file_id, "File", "file_id", "file_not_found")
+    return await stored(gateway_of(request).store.get_file, file_id, tenant_of(request), "File", "file_id",
+                        "file_not_found")
 
 
 async def existing_batch(request: Request, batch_id: str) -> Batch:
-    return await stored(gateway_of(request).store.get_batch, batch_id, "Batch", "batch_id", "batch_not_found")
+    return await stored(gateway_of(request).store.get_batch, batch_id, tenant_of(request), "Batch", "batch_id",
+                        "batch_not_found")
 
 
 # --- files ---
@@ -51,13 +61,14 @@ async def upload_file(request: Request, file: UploadFile = File(...), purpose: s
         raise bad_request(f"purpose must be one of {', '.join(FILE_PURPOSES)}, got {purpose!r}", param="purpose")
     content = await file.read()
     store = gateway_of(request).store
-    created = await asyncio.to_thread(store.create_file, file.filename or "upload.jsonl", purpose, content)
+    created = await asyncio.to_thread(store.create_file, file.filename or "upload.jsonl", purpose, content,
+                                      tenant=tenant_of(request))
     return created.model_dump()
 
 
 @router.get("/v1/files")
 async def list_files(request: Request, purpose: str | None = None, limit: int = 10000) -> dict:
-    files = await asyncio.to_thread(gateway_of(request).store.list_files, purpose, limit)
+    files = await asyncio.to_thread(gateway_of(request).store.list_files, purpose, limit, tenant_of(request))
     return FileList(data=files).model_dump()
 
 
@@ -69,14 +80,16 @@ async def get_file(file_id: str, request: Request) -> dict:
 @router.get("/v1/files/{file_id}/content")
 async def file_content(file_id: str, request: Request) -> Response:
     await existing_file(request, file_id)
-    content = await asyncio.to_thread(gateway_of(request).store.file_content, file_id)
+    content = await asyncio.to_thread(gateway_of(request).store.file_content, file_id, tenant_of(request))
+    if content is None:  # deleted meanwhile
+        raise APIError(404, f"No such File object: {file_id}", param="file_id", code="file_not_found")
     return Response(content, media_type="application/jsonl")
 
 
 @router.delete("/v1/files/{file_id}")
 async def delete_file(file_id: str, request: Request) -> dict:
     await existing_file(request, file_id)
-    deleted = await asyncio.to_thread(gateway_of(request).store.delete_file, file_id)
+    deleted = await asyncio.to_thread(gateway_of(request).store.delete_file, file_id, tenant_of(request))
     return FileDeleted(id=file_id, deleted=deleted).model_dump()
 
 
@@ -91,7 +104,9 @@ async def create_batch(body: BatchCreateRequest, request: Request) -> dict:
     if body.completion_window not in COMPLETION_WINDOWS:
         raise bad_request(f"completion_window must be one of {', '.join(COMPLETION_WINDOWS)}",
                           param="completion_window")
-    found = await asyncio.to_thread(gateway.store.get_file, body.input_file_id)
+    caller = caller_in(request.scope)
+    # Another tenant's file is answered as a missing one: a batch names only its caller's files.
+    found = await asyncio.to_thread(gateway.store.get_file, body.input_file_id, caller.tenant)
     if found is None:
         raise bad_request(f"input_file_id {body.input_file_id!r}: no such file", param="input_file_id",
                           code="invalid_input_file")
@@ -100,7 +115,7 @@ async def create_batch(body: BatchCreateRequest, request: Request) -> dict:
                           "a batch needs purpose 'batch'", param="input_file_id", code="invalid_input_file")
     # Committed before we answer: an accepted batch is on disk (batches.py, rule 1).
     batch = await asyncio.to_thread(gateway.store.create_batch, body.input_file_id, body.endpoint,
-                                    body.completion_window, body.metadata)
+                                    body.completion_window, body.metadata, BatchOwner(caller.tenant, caller.key_id))
     gateway.runner.wake()
     return batch.model_dump()
 
@@ -108,7 +123,7 @@ async def create_batch(body: BatchCreateRequest, request: Request) -> dict:
 @router.get("/v1/batches")
 async def list_batches(request: Request, limit: int = 20, after: str | None = None) -> dict:
     store = gateway_of(request).store
-    batches = await asyncio.to_thread(store.list_batches, limit + 1, after)
+    batches = await asyncio.to_thread(store.list_batches, limit + 1, after, tenant_of(request))
     page = batches[:limit]
     return BatchList(data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None,
                      has_more=len(batches) > limit).model_dump()
@@ -125,7 +140,7 @@ async def cancel_batch(batch_id: str, request: Request) -> dict:
     batch = await existing_batch(request, batch_id)
     if batch.status in ("cancelling", "cancelled"):
         return batch.model_dump()
-    if not await asyncio.to_thread(gateway.store.request_cancel, batch_id):
+    if not await asyncio.to_thread(gateway.store.request_cancel, batch_id, tenant_of(request)):
         raise APIError(409, f"batch {batch_id} is {batch.status}; only a validating or in-progress batch can "
                             "be cancelled", param="batch_id", code="batch_not_cancellable")
     gateway.runner.wake()

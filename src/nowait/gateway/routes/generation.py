@@ -20,7 +20,6 @@ from nowait.gateway.errors import APIError
 from nowait.gateway.responses import ROUTE_HEADER, SSE_DONE, ChunkWriter, chat_completion, sse, text_completion
 from nowait.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from nowait.gateway.service import Gateway, gateway_of
-from nowait.gateway.tenants import caller_in
 
 log = logging.getLogger("nowait.gateway")
 T = TypeVar("T")
@@ -80,9 +79,6 @@ async def answer(request: Request, body: ChatCompletionRequest | CompletionReque
                  response_id: str, calls: list[Call], build: Callable[[list[Outcome]], BaseModel]) -> Response:
     """A stream of the first call, or every call's outcome in one JSON object made by `build`."""
     gateway = gateway_of(request)
-    caller = caller_in(request.scope)
-    for call in calls:
-        call.caller = caller
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)
         return await stream_response(request, gateway, calls[0], endpoint, response_id, body.model, include)

@@ -1,0 +1,87 @@
+"""Who may call: an `Authorization: Bearer` key to the request's `Caller`, or a 401.
+
+    /v1/*     a key of the store (`nw-...`, `nowait keys create`): its tenant and what it allows,
+              read from the store on every request, so a revoke or a change holds from the next
+              request on; a key of `auth.api_keys` / `NOWAIT_API_KEYS`: the tenant `default`,
+              without limits
+    /admin/*  an admin key (`auth.admin_keys` / `NOWAIT_ADMIN_KEYS`) and nothing else
+
+A server with no key anywhere (none configured, none in the store) is open, as the quick start
+on loopback wants: its callers are the tenant `default`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import Callable
+
+from nowait.gateway.errors import APIError
+from nowait.gateway.keys import KEY_PREFIX, KeyStore
+from nowait.gateway.tenants import DEFAULT_CALLER, Caller
+
+ADMIN_PREFIX = "/admin/"
+
+
+def unauthorized(message: str) -> APIError:
+    return APIError(401, message, code="invalid_api_key")
+
+
+def _matches(token: bytes, keys: list[bytes]) -> bool:
+    # Every key is compared (no early exit), each in constant time: timing tells nothing.
+    found = False
+    for key in keys:
+        found |= hmac.compare_digest(token, key)
+    return found
+
+
+class Authenticator:
+    def __init__(self, api_keys: set[str], admin_keys: set[str], store: KeyStore,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.api_keys = [k.encode() for k in api_keys]
+        self.admin_keys = [k.encode() for k in admin_keys]
+        self.store, self.clock = store, clock
+
+    def open(self) -> bool:
+        """No key anywhere: every /v1 request is the default tenant's (the loopback quick start)."""
+        return not self.api_keys and not self.admin_keys and not self.store.any_keys()
+
+    def admin(self, token: bytes) -> None:
+        if not self.admin_keys:
+            raise unauthorized("/admin needs an admin key, and this server has none: set NOWAIT_ADMIN_KEYS "
+                               "(or auth.admin_keys), or use `nowait keys` on the server")
+        if not _matches(token, self.admin_keys):
+            raise unauthorized("Incorrect or missing admin key: /admin needs `Authorization: Bearer <admin key>` "
+                               "with a key of NOWAIT_ADMIN_KEYS / auth.admin_keys")
+
+    def caller(self, token: bytes) -> Caller:
+        """The caller a /v1 key stands for, or a 401 that says only what the client may know."""
+        if token.startswith(KEY_PREFIX.encode()):
+            try:
+                secret = token.decode("ascii")
+            except UnicodeDecodeError:
+                secret = ""
+            record = self.store.find(secret) if secret else None
+            if record is not None:
+                if record.revoked_at is not None:
+                    raise unauthorized(f"API key {record.id} has been revoked")
+                if not record.usable_at(self.clock()):
+                    raise unauthorized(f"API key {record.id} has expired")
+                return record.caller()
+        if token and _matches(token, self.api_keys):
+            return DEFAULT_CALLER
+        raise unauthorized("Incorrect or missing API key: send `Authorization: Bearer <key>` with a key "
+                           "from `nowait keys create` or the gateway's configuration")
+
+    def authenticate(self, path: str, header: bytes) -> Caller | None:
+        """The caller of a request to `path`; None where no key is needed (health, metrics)."""
+        scheme, _, token = header.partition(b" ")
+        token = token.strip() if scheme.lower() == b"bearer" else b""
+        if path.startswith(ADMIN_PREFIX) or path == ADMIN_PREFIX.rstrip("/"):
+            self.admin(token)
+            return None
+        if not path.startswith("/v1/"):
+            return None
+        if self.open():
+            return DEFAULT_CALLER
+        return self.caller(token)

@@ -1,0 +1,149 @@
+"""Each key's rate limits and each tenant's daily budget, answered as OpenAI answers them.
+
+    requests per minute   a request is admitted while its key's admitted requests of the last
+                          60 s are fewer than the limit
+    tokens per minute     prompt + completion tokens of the key's answered requests of the last
+                          60 s; a request is admitted while that count is under the limit
+    budget (USD per day)  the ledger's cost of the tenant's answered requests since 00:00 UTC,
+                          owned compute included; the request that crosses the line completes,
+                          the next one is refused until the next UTC day
+
+Refusals: 429 `rate_limit_exceeded` with `Retry-After` and the `x-ratelimit-*` headers, 429
+`insufficient_quota`. Windows are sliding logs per key and spend is counted per tenant, so one
+tenant over its limits never holds up another. The clock is injectable (tests move time).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from datetime import datetime, timezone
+
+from nowait.gateway.errors import APIError
+from nowait.gateway.tenants import Caller
+
+WINDOW_S = 60.0
+
+
+def utc_day(moment: float) -> str:
+    return datetime.fromtimestamp(moment, tz=timezone.utc).date().isoformat()
+
+
+class _Window:
+    """(time, amount) entries of the last WINDOW_S seconds."""
+
+    def __init__(self) -> None:
+        self.entries: deque[tuple[float, int]] = deque()
+        self.total = 0
+
+    def expire(self, now: float) -> None:
+        while self.entries and self.entries[0][0] <= now - WINDOW_S:
+            self.total -= self.entries.popleft()[1]
+
+    def add(self, now: float, amount: int) -> None:
+        if amount > 0:
+            self.entries.append((now, amount))
+            self.total += amount
+
+    def seconds_until_below(self, limit: int, now: float) -> int:
+        """Seconds until the window's total falls under `limit` (as entries leave it)."""
+        total = self.total
+        for moment, amount in self.entries:
+            total -= amount
+            if total < limit:
+                return max(1, math.ceil(moment + WINDOW_S - now))
+        return 1
+
+
+class TenantLimits:
+    """The admission check before a request runs and the charge after it is answered."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self._lock = threading.Lock()  # batch lines and HTTP requests share it (and tests on other threads)
+        self._requests: dict[str, _Window] = {}
+        self._tokens: dict[str, _Window] = {}
+        self._spend: dict[str, tuple[str, float]] = {}  # tenant -> (UTC day, USD spent that day)
+
+    @staticmethod
+    def _key(caller: Caller) -> str:
+        return caller.key_id or f"tenant:{caller.tenant}"
+
+    def spent_today(self, tenant: str) -> float:
+        with self._lock:
+            return self._spent(tenant, self.clock())
+
+    def _spent(self, tenant: str, now: float) -> float:
+        day, spent = self._spend.get(tenant, ("", 0.0))
+        return spent if day == utc_day(now) else 0.0
+
+    def _window(self, table: dict[str, _Window], key: str, now: float) -> _Window:
+        window = table.setdefault(key, _Window())
+        window.expire(now)
+        return window
+
+    def admit(self, caller: Caller) -> None:
+        """Count one request of `caller`, or raise the 429 that refuses it."""
+        if not caller.limited:
+            return
+        with self._lock:
+            now = self.clock()
+            budget = caller.budget_usd_per_day
+            if budget is not None and self._spent(caller.tenant, now) >= budget:
+                raise APIError(429, f"tenant {caller.tenant!r} has spent its budget of ${budget:g} for today "
+                                    f"(UTC); requests are served again from 00:00 UTC", type="insufficient_quota",
+                               code="insufficient_quota")
+            key = self._key(caller)
+            requests = self._window(self._requests, key, now)
+            tokens = self._window(self._tokens, key, now)
+            rpm, tpm = caller.requests_per_minute, caller.tokens_per_minute
+            if rpm is not None and requests.total >= rpm:
+                self._refuse(caller, "requests", rpm, requests.seconds_until_below(rpm, now), requests, tokens)
+            if tpm is not None and tokens.total >= tpm:
+                self._refuse(caller, "tokens", tpm, tokens.seconds_until_below(tpm, now), requests, tokens)
+            requests.add(now, 1)
+
+    def _refuse(self, caller: Caller, what: str, limit: int, retry_after: int, requests: _Window,
+                tokens: _Window) -> None:
+        headers = self._headers(caller, requests, tokens)
+        headers["Retry-After"] = str(retry_after)
+        headers[f"x-ratelimit-reset-{what}"] = f"{retry_after}s"
+        raise APIError(429, f"Rate limit reached for key {caller.key_id or caller.tenant} on {what} per minute: "
+                            f"limit {limit}; retry in {retry_after} s", type="rate_limit_error",
+                       code="rate_limit_exceeded", headers=headers)
+
+    def _headers(self, caller: Caller, requests: _Window, tokens: _Window) -> dict[str, str]:
+        headers = {}
+        if caller.requests_per_minute is not None:
+            headers["x-ratelimit-limit-requests"] = str(caller.requests_per_minute)
+            headers["x-ratelimit-remaining-requests"] = str(max(0, caller.requests_per_minute - requests.total))
+        if caller.tokens_per_minute is not None:
+            headers["x-ratelimit-limit-tokens"] = str(caller.tokens_per_minute)
+            headers["x-ratelimit-remaining-tokens"] = str(max(0, caller.tokens_per_minute - tokens.total))
+        return headers
+
+    def headers(self, caller: Caller) -> dict[str, str]:
+        """The `x-ratelimit-*` headers of an answered request (none for a key without limits)."""
+        if caller.requests_per_minute is None and caller.tokens_per_minute is None:
+            return {}
+        with self._lock:
+            now, key = self.clock(), self._key(caller)
+            return self._headers(caller, self._window(self._requests, key, now),
+                                 self._window(self._tokens, key, now))
+
+    def charge(self, caller: Caller, tokens: int, cost_usd: float) -> None:
+        """An answered request's tokens (the key's window) and cost (the tenant's day)."""
+        with self._lock:
+            now = self.clock()
+            self._window(self._tokens, self._key(caller), now).add(now, tokens)
+            day = utc_day(now)
+            self._spend[caller.tenant] = (day, self._spent(caller.tenant, now) + cost_usd)
+
+    def charge_outcomes(self, caller: Caller, outcomes: Iterable) -> None:
+        """`charge` for the Outcomes (dispatch.py) of one request."""
+        outcomes = [o for o in outcomes if o.attempts]
+        tokens = sum(o.final.prompt_tokens + o.final.completion_tokens for o in outcomes)
+        self.charge(caller, tokens, sum(o.cost_usd for o in outcomes))
