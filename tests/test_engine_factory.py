@@ -166,3 +166,18 @@ def test_configs_the_factory_cannot_build_are_refused_with_the_reason(codec, che
         ArEngineConfig(kind="ar", max_num_seqs=0)
     with pytest.raises(ValidationError, match="unknown diffusion option"):
         DiffusionEngineConfig(kind="diffusion", options={"warp": 9})
+
+
+def test_generate_runs_the_factory_engine_of_the_checkpoint_kind(codec, weights, checkpoints, prompts):
+    from nowait.checkpoints import load_pretrained
+    from nowait.engines.base import InvalidRequestError
+    from nowait.generate import checkpoint_engine, generate_once
+
+    ar = load_pretrained(checkpoints["ar"])
+    engine = checkpoint_engine(ar, max_model_len=len(prompts[0]) + 12)
+    assert isinstance(engine, AutoregressiveEngine) and engine.max_model_len == len(prompts[0]) + 12
+    assert outputs(engine, prompts[:1]) == greedy_decode(weights["ar"], prompts[:1], 12, codec.end_id)
+    diffusion = checkpoint_engine(load_pretrained(checkpoints["diffusion"]), max_batch=2)
+    assert isinstance(diffusion, DiffusionEngine) and diffusion.max_batch == 2
+    with pytest.raises(InvalidRequestError, match="the prompt is empty"):  # one line, not a config error
+        generate_once(ar, "", max_tokens=1, chat=False)

@@ -48,6 +48,8 @@ def generate_once(loaded: LoadedModel, prompt: str, max_tokens: int, temperature
     """Generate up to `max_tokens` for one prompt (greedy at temperature 0); the Completion and
     the wall seconds. Raises InvalidRequestError for a request the model cannot hold."""
     ids = prompt_ids(loaded, prompt, chat)
+    if not ids:  # refused before an engine is sized for it: a row holds a prompt token at least
+        raise InvalidRequestError("the prompt is empty: the model needs at least one token to continue")
     room = loaded.model.config.max_position
     if len(ids) + max_tokens > room:
         raise InvalidRequestError(f"the prompt is {len(ids)} tokens; with max_tokens {max_tokens} that exceeds the "
