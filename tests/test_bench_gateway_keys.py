@@ -1,0 +1,37 @@
+"""`nowait bench gateway --tenant-keys`: keys on and keys off timed side by side in one run, on
+the real app, with the audit hash timed on the run's own entries."""
+
+from __future__ import annotations
+
+import yaml
+from typer.testing import CliRunner
+
+from nowait.cli import app
+from tests.load_support import last_json, save_corpus_models
+
+runner = CliRunner()
+
+
+def test_bench_gateway_times_keys_on_against_keys_off(tmp_path, codec):
+    models = save_corpus_models(tmp_path / "models", codec, diffusion=False)
+    config = {"server": {"torch_threads": 1}, "auth": {"api_keys": [], "api_keys_env": None},
+              "data_dir": str(tmp_path / "data"), "routing": {"fast_engine": None},
+              "engines": {"ar": {"kind": "ar", "model": str(models / "ar"), "max_num_seqs": 2}}}
+    path = tmp_path / "nowait.yaml"
+    path.write_text(yaml.safe_dump(config))
+    requests = 2
+    result = runner.invoke(app, ["bench", "gateway", "--config", str(path), "--requests", str(requests),
+                                 "--clients", "1", "--max-tokens", "1", "--tenant-keys", "--json"], prog_name="nowait")
+    assert result.exit_code == 0, result.output
+    report = last_json(result.stdout)
+    keys = report["latency"]["tenant_keys"]
+    assert keys["keys_on_ms"]["p50"] > 0 and keys["keys_off_ms"] == report["latency"]["gateway_ms"]
+    assert keys["added_ms"]["p50"] == round(keys["keys_on_ms"]["p50"] - keys["keys_off_ms"]["p50"], 3)
+    # Both sides went through the router, warm-up rounds included: two entries per round.
+    assert keys["audit_hash_us"]["entries"] == 2 * (requests + 2) and keys["audit_hash_us"]["p50"] > 0
+    goals = report["goals"]
+    assert goals["tenant_keys_p50_met"] == (goals["tenant_keys_p50_ms"] <= goals["tenant_keys_p50_ms_at_most"])
+    plain = runner.invoke(app, ["bench", "gateway", "--config", str(path), "--requests", "1", "--clients", "1",
+                                "--max-tokens", "1", "--tenant-keys"], prog_name="nowait")
+    assert plain.exit_code == 0, plain.output
+    assert "keys on" in plain.output and "audit hash" in plain.output
