@@ -45,8 +45,11 @@ RUN_ELSEWHERE = {  # command -> the module whose test runs it for real through n
     "bench physics": "test_bench_physics.py",
     "audit verify": "test_audit_cli.py",
     "audit spend": "test_audit_cli.py",
+    "keys create": "test_tenants_keys.py",
+    "keys list": "test_tenants_keys.py",
+    "keys revoke": "test_tenants_keys.py",
 }
-GROUPS = {"bench", "audit"}
+GROUPS = {"bench", "audit", "keys"}
 # Wide, so that rich never wraps an option's name across lines in the help panels.
 runner = CliRunner(env={"COLUMNS": "250"})
 
