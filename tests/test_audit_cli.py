@@ -84,13 +84,15 @@ def test_deleting_the_first_line_is_caught(log_path):
     assert result.exit_code == 1 and "removed" in result.output and "entry 0 " in result.output
 
 
-@pytest.mark.parametrize("forged", ["copy", "hand-written", "rehashed"])
+@pytest.mark.parametrize("forged", ["copy", "hand-written", "empty", "rehashed"])
 def test_inserting_a_line_is_caught(log_path, forged):
-    """A copy of an earlier entry, a plain hand-written line, and one built with a valid hash and
-    link in place of the entry that follows it: each is found at the insertion."""
+    """A copy of an earlier entry, a plain hand-written line, an empty line, and one built with a
+    valid hash and link in place of the entry that follows it: each is found at the insertion."""
     lines = log_path.read_bytes().splitlines(keepends=True)
     if forged == "copy":
         extra, named = lines[1], 5
+    elif forged == "empty":
+        extra, named = b"\n", 5
     elif forged == "hand-written":
         extra, named = b'{"request_id":"req-x","tenant":"team-b","cost_usd":0.0}\n', 5
     else:

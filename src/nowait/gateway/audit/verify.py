@@ -109,6 +109,8 @@ class _Walk:
         return self._unvouched(fragment)
 
     def _unvouched(self, number: int) -> Break:
+        if not self.lines[number - 1].strip():  # the writer never writes an empty line
+            return Break(number, "inserted", f"line {number} is empty: it was inserted")
         return Break(number, "altered", f"line {number} is not a JSON entry, and the entry after it does not "
                                         "vouch for it as a torn write: it was altered")
 
@@ -149,9 +151,11 @@ class _Walk:
         if later:
             return Break(number, "reordered", f"line {number} holds {_named(entry)} where entry {due} was due; "
                                               f"entry {due} is at line {later[0]}: the lines were reordered", **where)
-        missing = f"entry {due}" if seq == due + 1 else f"entries {due} to {seq - 1}"
-        return Break(number, "removed", f"{missing} of replica {replica!r} removed before line {number} "
-                                        f"({_named(entry)})", replica=replica, seq=due)
+        missing = f"entry {due} of replica {replica!r} was" if seq == due + 1 else \
+            f"entries {due} to {seq - 1} of replica {replica!r} were"
+        return Break(number, "removed", f"{missing} removed: line {number} holds entry {seq} (request "
+                                        f"{entry.get('request_id')}) where entry {due} was due",
+                     replica=replica, seq=due)
 
 
 def verify_audit_log(path: str | Path) -> Verdict:
