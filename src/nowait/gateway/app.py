@@ -8,6 +8,7 @@
     POST /admin/keys, GET /admin/keys, DELETE /admin/keys/{id}   (admin keys only)    routes/admin.py
     POST /v1/responses       (the Responses API, answered by the chat path)          routes/responses.py
     GET  /health, /ping, /version; POST /tokenize, /detokenize   (vLLM's)            routes/vllm_compat.py
+    GET  /dashboard, /dashboard/data                   (the live page)               routes/dashboard.py
 
 Handlers only translate: bodies to Calls (calls.py), Outcomes to OpenAI objects (responses.py).
 Routing, fallback and accounting live in dispatch.py; the engines in engines.py (built from the
@@ -29,8 +30,8 @@ from nowait.gateway.domain import Backend
 from nowait.gateway.engines import build_backends
 from nowait.gateway.errors import APIError, install_error_handlers
 from nowait.gateway.middleware import ApiKeyMiddleware, BodyLimitMiddleware, TenantLimitMiddleware
-from nowait.gateway.routes import admin, batch_api, generation, responses, status, vllm_compat
-from nowait.gateway.service import Gateway
+from nowait.gateway.routes import admin, batch_api, dashboard, generation, responses, status, vllm_compat
+from nowait.gateway.service import Gateway, gateway_started
 
 log = logging.getLogger("nowait.gateway")
 
@@ -70,8 +71,8 @@ def create_app(config: GatewayConfig, backends: dict[str, Backend] | None = None
     install_error_handlers(app, count_error)
     app.add_middleware(BodyLimitMiddleware, limit=config.server.max_request_bytes, on_refusal=count_error)
     app.add_middleware(TenantLimitMiddleware, limits=lambda: app.state.gateway.limits, on_refusal=count_error)
-    app.add_middleware(ApiKeyMiddleware, authenticator=lambda: app.state.gateway.authenticator,
-                       on_refusal=count_error)  # outermost: keys first
-    for routes in (status, generation, batch_api, responses, vllm_compat, admin):
+    app.add_middleware(ApiKeyMiddleware, on_refusal=count_error,  # outermost: keys first
+                       authenticator=lambda: getattr(gateway_started(app), "authenticator", None))
+    for routes in (status, generation, batch_api, responses, vllm_compat, dashboard, admin):
         app.include_router(routes.router)
     return app
