@@ -45,6 +45,10 @@ def test_health_is_503_while_starting_and_while_draining(models):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
             starting = await client.get("/health")
+            early = await client.post("/tokenize", json={"model": "ar", "prompt": "x"})
+            assert early.status_code == 503 and early.json()["error"]["code"] == "starting"
+            models = await client.get("/v1/models", headers=AUTH)  # every route: 503, not a crash
+            assert models.status_code == 503 and models.json()["error"]["code"] == "starting"
             async with app.router.lifespan_context(app):
                 serving = await client.get("/health")
             return [starting, serving, await client.get("/ping")]

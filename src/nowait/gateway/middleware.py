@@ -21,16 +21,21 @@ class ApiKeyMiddleware:
     every other /v1 request recorded in the ASGI state (tenants.py). A pure ASGI layer: it runs
     before the body is read, so an unauthenticated client learns nothing about its request."""
 
-    def __init__(self, app, authenticator: Callable[[], Authenticator], on_refusal=None) -> None:
+    def __init__(self, app, authenticator: Callable[[], Authenticator | None], on_refusal=None) -> None:
         # The authenticator is the running gateway's (its key store opens with the server), so
-        # it is looked up per request rather than held.
+        # it is looked up per request rather than held. None: the gateway is still starting, and
+        # every route answers 503 (`service.gateway_of`) but the probes, which say so.
         self.app, self.authenticator, self.on_refusal = app, authenticator, on_refusal
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
             header = dict(scope["headers"]).get(b"authorization", b"")
+            authenticator = self.authenticator()
+            if authenticator is None:
+                await self.app(scope, receive, send)
+                return
             try:
-                caller = self.authenticator().authenticate(scope["path"], header)
+                caller = authenticator.authenticate(scope["path"], header)
             except APIError as error:
                 if self.on_refusal is not None:
                     self.on_refusal(error)

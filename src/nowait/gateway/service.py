@@ -12,7 +12,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from pydantic import ValidationError
 
 from nowait.gateway.auth import Authenticator, unauthorized
@@ -146,5 +146,14 @@ class Gateway:
             return 500, APIError(500, f"internal error ({type(error).__name__})", type="server_error").body(), None
 
 
+def gateway_started(app: FastAPI) -> Gateway | None:
+    """The app's running gateway; None until its lifespan has loaded the engines."""
+    return getattr(app.state, "gateway", None)
+
+
 def gateway_of(request: Request) -> Gateway:
-    return request.app.state.gateway
+    """The running gateway, or a 503 while it is still starting."""
+    gateway = gateway_started(request.app)
+    if gateway is None:
+        raise APIError(503, "the gateway is starting: its engines are loading", type="server_error", code="starting")
+    return gateway

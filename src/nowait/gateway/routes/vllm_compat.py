@@ -22,11 +22,11 @@ from pydantic import Field
 
 from nowait.conventions import apply_chat_template
 from nowait.gateway.domain import Call, Metadata
-from nowait.gateway.errors import APIError, bad_request, unknown_model
+from nowait.gateway.errors import bad_request, unknown_model
 from nowait.gateway.owned import OwnedBackend
 from nowait.gateway.prompts import chat_prompt, plain_messages
 from nowait.gateway.schemas import ChatMessage, OpenAIObject, OpenAIRequest
-from nowait.gateway.service import Gateway
+from nowait.gateway.service import Gateway, gateway_of
 from nowait.router import DataClass
 from nowait.tokenizer import ASSISTANT
 
@@ -100,13 +100,6 @@ class DetokenizeRequest(OpenAIRequest):
     tokens: list[int] = Field(min_length=0)
 
 
-def gateway_or_starting(request: Request) -> Gateway:
-    gateway = getattr(request.app.state, "gateway", None)
-    if gateway is None:
-        raise APIError(503, "the gateway is starting", type="server_error", code="starting")
-    return gateway
-
-
 def tokenizing_backend(gateway: Gateway, model: str) -> OwnedBackend:
     """The owned engine whose tokenizer `model` uses (the router model: its batch engine's)."""
     name = gateway.policy.batch_engine if model == gateway.config.server.router_model else model
@@ -153,7 +146,7 @@ def token_ids(backend: OwnedBackend, body: TokenizeRequest) -> list[int]:
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> dict:
-    backend = tokenizing_backend(gateway_or_starting(request), body.model)
+    backend = tokenizing_backend(gateway_of(request), body.model)
     ids = token_ids(backend, body)
     strs = [backend.codec.tokenizer.id_to_token(i) for i in ids] if body.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=backend.max_model_len, tokens=ids,
@@ -162,7 +155,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
-    backend = tokenizing_backend(gateway_or_starting(request), body.model)
+    backend = tokenizing_backend(gateway_of(request), body.model)
     vocab = backend.codec.vocab_size
     for index, token in enumerate(body.tokens):
         if not 0 <= token < vocab:
