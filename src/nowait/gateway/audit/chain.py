@@ -20,6 +20,7 @@ from typing import Any
 
 GENESIS = "0" * 64  # `prev` of a replica's first entry
 LOCAL_REPLICA = "local"  # the one-process server's chain; a fleet names one chain per replica
+CHAIN_FIELDS = frozenset({"replica", "seq", "prev", "hash"})  # what the writer adds to every entry
 
 
 def canonical(value: Any) -> bytes:

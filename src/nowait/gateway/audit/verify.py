@@ -21,10 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nowait.gateway.audit.chain import GENESIS, canonical, entry_hash, fragment_digest
+from nowait.gateway.audit.chain import CHAIN_FIELDS, GENESIS, canonical, entry_hash, fragment_digest
 from nowait.gateway.audit.log import is_chained, parse_entry
-
-CHAIN_FIELDS = {"hash", "prev", "seq", "replica"}
 
 
 @dataclass
