@@ -42,6 +42,10 @@ def test_a_key_limited_to_ar_may_not_ask_for_another_model(setup):
     server, _, _ = setup
     key = create_key(server, "teamModels", models=["ar"])["key"]
     assert chat(server, key, model="ar").status_code == 200
+    listed = httpx.get(f"{server.base_url}/v1/models", headers=bearer(key), timeout=30).json()["data"]
+    assert [m["id"] for m in listed] == ["ar"]  # the models it may use, no others
+    hidden = httpx.get(f"{server.base_url}/v1/models/diffusion", headers=bearer(key), timeout=30)
+    assert hidden.status_code == 404 and error_code(hidden) == "model_not_found"
     for model in ("diffusion", "nowait"):
         refused = chat(server, key, model=model)
         assert refused.status_code == 403 and error_code(refused) == "model_not_allowed"

@@ -16,6 +16,19 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def _has_keys(settings) -> bool:
+    """Any key that closes the server: configured, admin, or in the key store."""
+    from nowait.gateway.keys import SqliteKeyStore
+
+    if settings.auth.keys() or settings.auth.admin():
+        return True
+    store = SqliteKeyStore(settings.key_database)
+    try:
+        return store.any_keys()
+    finally:
+        store.close()
+
+
 def serve(
     config: Path = typer.Option(None, "--config", "-c", help="nowait.yaml (default: the bundled demo models)"),
     host: str = typer.Option(None, help="address to listen on (default: the config's, 127.0.0.1)"),
@@ -45,10 +58,10 @@ def serve(
         raise typer.Exit(code=2) from None
     settings = settings.model_copy(update={"server": server})
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
-    if not settings.auth.keys() and not _is_loopback(server.host):
+    if not _is_loopback(server.host) and not _has_keys(settings):
         logging.getLogger("nowait.gateway").warning(
-            "listening on %s with no API keys: anyone who can reach it can use it (set auth.api_keys or "
-            "NOWAIT_API_KEYS)", server.host)
+            "listening on %s with no API keys: anyone who can reach it can use it (create keys with "
+            "`nowait keys create`, or set auth.api_keys or NOWAIT_API_KEYS)", server.host)
     threshold, source = settings.confidence_threshold()
     logging.getLogger("nowait.gateway").info("diffusion answers below confidence %.3g re-run on %s (from %s)",
                                              threshold, settings.routing.fallback_engine, source)

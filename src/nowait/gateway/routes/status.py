@@ -10,6 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from nowait.gateway.errors import APIError
 from nowait.gateway.schemas import ModelCard, ModelList
 from nowait.gateway.service import Gateway, gateway_of
+from nowait.gateway.tenants import caller_in
 
 router = APIRouter()
 
@@ -49,14 +50,20 @@ def model_cards(gateway: Gateway) -> list[ModelCard]:
     return [router, *engines]
 
 
+def callers_cards(request: Request) -> list[ModelCard]:
+    """The models the caller's key may use (as OpenAI lists a project's models)."""
+    caller = caller_in(request.scope)
+    return [card for card in model_cards(gateway_of(request)) if caller.may_use(card.id)]
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
-    return ModelList(data=model_cards(gateway_of(request))).model_dump()
+    return ModelList(data=callers_cards(request)).model_dump()
 
 
 @router.get("/v1/models/{model_id}")
 async def get_model(model_id: str, request: Request) -> dict:
-    for card in model_cards(gateway_of(request)):
+    for card in callers_cards(request):
         if card.id == model_id:
             return card.model_dump()
     raise APIError(404, f"The model `{model_id}` does not exist", param="model", code="model_not_found")
