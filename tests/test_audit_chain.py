@@ -85,7 +85,24 @@ def test_a_torn_last_line_is_reported_then_vouched_for_by_the_next_entry(tmp_pat
     assert verdict.ok and verdict.entries == 4 and verdict.torn_lines == [4]
     after = read_audit_log(path)
     assert after[-1]["seq"] == 3 and after[-1]["prev"] == after[-2]["hash"]
-    assert after[-1]["torn"] == {"bytes": 40, "sha256": hashlib.sha256(whole[0][:40]).hexdigest()}
+    assert after[-1]["torn"] == [{"bytes": 40, "sha256": hashlib.sha256(whole[0][:40]).hexdigest()}]
+
+
+def test_a_first_write_after_a_restart_torn_too_is_vouched_for_with_the_first(tmp_path):
+    """Two crashes in a row, the second during the first write after the restart: both fragments
+    are vouched for by the next entry, in order."""
+    path = tmp_path / "audit.jsonl"
+    write(path, 2)
+    with path.open("ab") as handle:
+        handle.write(b'{"request_id":"first-cut')
+    AuditLog(path).close()  # restarted: the fragment now ends with a newline
+    with path.open("ab") as handle:
+        handle.write(b'{"request_id":"second-cut","ten')
+    assert verify_audit_log(path).broken.kind == "torn"
+    write(path, 1, start=2)
+    verdict = verify_audit_log(path)
+    assert verdict.ok and verdict.entries == 3 and verdict.torn_lines == [3, 4]
+    assert [t["bytes"] for t in read_audit_log(path)[-1]["torn"]] == [24, 31]
 
 
 def test_a_vouched_fragment_edited_afterwards_is_caught(tmp_path):

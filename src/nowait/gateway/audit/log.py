@@ -3,8 +3,8 @@
 At start the writer reads the end of the file for its replica's last entry and continues that
 chain (`prev` = its hash, `seq` = its number + 1), so a restart does not break it. A crash can
 leave the last line torn (a write cut short). The writer then ends that fragment with a newline
-and its next entry vouches for it (`torn`: the fragment's length and SHA-256), so `verify`
-accepts the fragment the writer found and nothing else: an unvouched fragment is reported.
+and its next entry vouches for it (`torn`: each fragment's length and SHA-256), so `verify`
+accepts the fragments the writer found and nothing else: an unvouched fragment is reported.
 
 One process writes a file; several replicas keep one chain each (`replica`).
 """
@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
 from typing import IO, Any
@@ -60,12 +60,12 @@ def lines_from_end(handle: IO[bytes]) -> Iterator[bytes]:
 
 @dataclass
 class ChainHead:
-    """Where a replica's chain stands in a file: the next entry's `prev` and `seq`, and a torn
-    last line (its bytes) that the next entry must vouch for."""
+    """Where a replica's chain stands in a file: the next entry's `prev` and `seq`, and the torn
+    lines after the last entry (their bytes, in file order) that the next entry must vouch for."""
 
     prev: str = GENESIS
     seq: int = 0
-    torn: bytes | None = None
+    torn: list[bytes] = field(default_factory=list)
     ends_without_newline: bool = False
 
 
@@ -78,15 +78,19 @@ def read_head(path: Path, replica: str) -> ChainHead:
         lines = lines_from_end(handle)
         last = next(lines, b"")
         head.ends_without_newline = bool(last)
-        if not last:  # the file ends with a newline: its last line is the one before it
-            last = next(lines, b"")
-        if last and parse_entry(last) is None:
-            # A crash tears the last line only; one restarted into before its next entry leaves
-            # the fragment newline-ended, still last, still to vouch for.
-            head.torn = last
-        for line in chain([last], lines):
+        fragments_end = True  # still among the lines after the file's last entry
+        for line in chain([last], lines) if last else lines:
             entry = parse_entry(line)
-            if entry is not None and is_chained(entry) and entry["replica"] == replica:
+            if entry is None:
+                # A crash tears the line being written; a restart ends it with a newline and a
+                # crash during the next write tears another: each, after the last entry, is vouched for.
+                if fragments_end and line:
+                    head.torn.insert(0, line)
+                else:
+                    fragments_end = False
+                continue
+            fragments_end = False
+            if is_chained(entry) and entry["replica"] == replica:
                 head.prev, head.seq = entry["hash"], entry["seq"] + 1
                 break
     return head
@@ -101,14 +105,14 @@ class AuditLog:
         self._lock = threading.Lock()
         head = read_head(self.path, replica)
         self._prev, self._seq = head.prev, head.seq
-        self._torn = fragment_digest(head.torn) if head.torn is not None else None
+        self._torn = [fragment_digest(line) for line in head.torn] or None
         self._file = self.path.open("ab")
         if head.ends_without_newline:
             self._file.write(b"\n")  # the next entry starts on a line of its own
             self._file.flush()
-        if head.torn is not None:
-            log.warning("audit log %s ends with a torn line (%d bytes, a write cut short): the next entry "
-                        "vouches for it", self.path, len(head.torn))
+        if head.torn:
+            log.warning("audit log %s ends with %d torn line(s) (%s bytes: a write cut short): the next entry "
+                        "vouches for them", self.path, len(head.torn), ", ".join(str(len(t)) for t in head.torn))
         log.info("audit log %s: chain %r continues at entry %d after %s", self.path, replica, self._seq, self._prev)
 
     @property

@@ -80,39 +80,36 @@ class _Walk:
                 self.positions.setdefault((entry["replica"], entry["seq"]), []).append(number)
 
     def run(self, ends_with_newline: bool) -> Break | None:
-        fragment: int | None = None  # line of an unparsable line waiting for the next entry's vouch
+        fragments: list[int] = []  # lines that are no JSON, waiting for the next entry's vouch
         for number, (raw, entry) in enumerate(zip(self.lines, self.entries, strict=True), 1):
             if entry is None:
-                if fragment is not None:
-                    return self._unvouched(fragment)
-                fragment = number
+                if not raw.strip():  # the writer never writes an empty line
+                    return Break(number, "inserted", f"line {number} is empty: it was inserted")
+                fragments.append(number)
                 continue
-            broken = self._check(number, raw, entry, fragment)
+            broken = self._check(number, raw, entry, fragments)
             if broken is not None:
                 return broken
-            if fragment is not None:
-                self.verdict.torn_lines.append(fragment)
-                fragment = None
+            self.verdict.torn_lines.extend(fragments)
+            fragments = []
             state = self.verdict.replicas.setdefault(entry["replica"], ChainState())
             state.entries, state.last_seq, state.last_hash, state.last_line = (
                 state.entries + 1, entry["seq"], entry["hash"], number)
             self.verdict.entries += 1
-        if fragment is None:
+        if not fragments:
             return None
-        if fragment == len(self.lines):
-            cut = "" if ends_with_newline else ", with no newline"
-            return Break(fragment, "torn", f"line {fragment} is torn ({len(self.lines[fragment - 1])} bytes{cut}): "
-                                           "a write cut short by a crash, or the end of an entry cut off; the "
-                                           "gateway's next entry vouches for it when it restarts")
-        return self._unvouched(fragment)
+        first = fragments[0]
+        cut = "" if ends_with_newline else ", the last with no newline"
+        lines = f"line {first} is" if len(fragments) == 1 else f"lines {first} to {fragments[-1]} are"
+        return Break(first, "torn", f"{lines} torn ({', '.join(str(len(self.lines[n - 1])) for n in fragments)} "
+                                    f"bytes{cut}): a write cut short by a crash, or the end of an entry cut off; the "
+                                    "gateway's next entry vouches for it when it restarts")
 
     def _unvouched(self, number: int) -> Break:
-        if not self.lines[number - 1].strip():  # the writer never writes an empty line
-            return Break(number, "inserted", f"line {number} is empty: it was inserted")
         return Break(number, "altered", f"line {number} is not a JSON entry, and the entry after it does not "
                                         "vouch for it as a torn write: it was altered")
 
-    def _check(self, number: int, raw: bytes, entry: dict[str, Any], fragment: int | None) -> Break | None:
+    def _check(self, number: int, raw: bytes, entry: dict[str, Any], fragments: list[int]) -> Break | None:
         if not is_chained(entry):
             # Some chain fields but not all, as the writer writes them: an entry edited; none: a
             # line the writer never wrote.
@@ -124,9 +121,9 @@ class _Walk:
             return Break(number, "altered", f"line {number}, {_named(entry)}, was altered: its hash does not match "
                                             "its content", **where)
         vouched = entry.get("torn")
-        if fragment is not None and vouched != fragment_digest(self.lines[fragment - 1]):
-            return self._unvouched(fragment)
-        if fragment is None and vouched is not None:
+        if fragments and vouched != [fragment_digest(self.lines[n - 1]) for n in fragments]:
+            return self._unvouched(fragments[0])
+        if not fragments and vouched is not None:
             return Break(number, "removed", f"line {number}, {_named(entry)}, vouches for a torn line before it "
                                             "that is not there: that line was removed", **where)
         return self._link(number, entry, where)
