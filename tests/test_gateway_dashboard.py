@@ -127,7 +127,7 @@ def test_every_grafana_query_names_an_exported_metric(server):
     for needed in ("nowait:gateway_request_latency_seconds_bucket", "nowait:e2e_request_latency_seconds_bucket",
                    "nowait:request_success_total", "nowait:fallback_rate", "nowait:engine_utilization",
                    "nowait:effective_cost_usd_per_mtok", "nowait:num_requests_waiting",
-                   "nowait:request_errors_total"):
+                   "nowait:request_errors_total", "nowait:tenant_requests_total"):
         assert needed in panels_read
 
 
