@@ -69,6 +69,18 @@ def test_every_single_byte_edit_of_an_entry_is_caught_at_that_entry(log_path):
         assert broken is not None and broken.line == 4 and broken.kind == "altered", (offset, broken)
 
 
+@pytest.mark.parametrize(("before", "after"), [(b'"cost_usd":0.5,', b'"cost_usd":5e-1,'),
+                                               (b'"cost_usd":0.5,', b'"cost_usd": 0.5,')])
+def test_an_edit_that_leaves_the_json_equal_is_caught(log_path, before, after):
+    """A number respelled or a space added: the parsed entry and its hash are unchanged, the line
+    is no longer what the writer wrote."""
+    rewrite(log_path, lambda lines: [*lines[:2], lines[2].replace(before, after), *lines[3:]])
+    assert json.loads(log_path.read_bytes().splitlines()[2]) == json.loads(
+        log_path.read_bytes().splitlines()[2].replace(after, before))
+    result = invoke("audit", "verify", str(log_path))
+    assert result.exit_code == 1 and "altered" in result.output and "line 3" in result.output
+
+
 def test_deleting_a_line_names_the_removed_entry(log_path):
     rewrite(log_path, lambda lines: [*lines[:2], *lines[3:]])
     result = invoke("audit", "verify", str(log_path))
