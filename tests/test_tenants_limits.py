@@ -176,6 +176,34 @@ def test_a_spent_budget_is_insufficient_quota_until_the_next_utc_day(setup):
     assert chat(server, budget_key).status_code == 200
 
 
+def test_a_tenants_batch_waiting_out_its_rate_limit_never_holds_up_another_tenants_batch(setup):
+    server, _, _ = setup
+    slow = server.client(api_key=create_key(server, "teamSlowBatch", requests_per_minute=1)["key"])
+    other = server.client(api_key=create_key(server, "teamNextBatch")["key"])
+
+    def batch_of(client, n: int):
+        lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"model": "ar", "max_tokens": 2, "messages": [{"role": "user", "content": f"n {i}"}]}}
+                 for i in range(n)]
+        content = "".join(json.dumps(x) + "\n" for x in lines).encode()
+        uploaded = client.files.create(file=("in.jsonl", io.BytesIO(content)), purpose="batch")
+        return client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                     completion_window="24h")
+
+    held = batch_of(slow, 3)  # one line a minute, and the test's clock does not move
+    deadline = time.monotonic() + 60
+    while slow.batches.retrieve(held.id).request_counts.completed < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    later = batch_of(other, 2)  # created after: it runs beside the held one, not behind it
+    while (done := other.batches.retrieve(later.id)).status != "completed":
+        assert time.monotonic() < deadline, done.status
+        time.sleep(0.05)
+    assert done.request_counts.completed == 2
+    still = slow.batches.retrieve(held.id)
+    assert still.status == "in_progress" and still.request_counts.completed == 1
+
+
 # --- the limiter itself ---
 
 def test_the_request_window_slides_and_keys_are_counted_apart():

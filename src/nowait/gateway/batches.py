@@ -286,10 +286,15 @@ class BatchStore:
         rows = self._query("SELECT status FROM batches WHERE id = ?", (batch_id,))
         return rows[0]["status"] if rows else None
 
-    def unfinished(self) -> list[str]:
+    def unfinished(self, tenant: str | None = None) -> list[str]:
         marks = ", ".join("?" * len(UNFINISHED))
-        return [r["id"] for r in self._query(f"SELECT id FROM batches WHERE status IN ({marks}) ORDER BY rowid",
-                                             UNFINISHED)]
+        where, args = _owned(f"status IN ({marks})", UNFINISHED, tenant)
+        return [r["id"] for r in self._query(f"SELECT id FROM batches WHERE {where} ORDER BY rowid", args)]
+
+    def unfinished_tenants(self) -> list[str]:
+        marks = ", ".join("?" * len(UNFINISHED))
+        return [r["tenant"] for r in self._query(f"SELECT DISTINCT tenant FROM batches WHERE status IN ({marks})",
+                                                 UNFINISHED)]
 
     def start(self, batch_id: str, lines: list[tuple[int, str, str]]) -> None:
         """Rule 2: the lines and the in_progress status land together."""
@@ -366,36 +371,59 @@ class BatchStore:
 
 
 class BatchRunner:
-    """Answers batches in creation order, up to `max_concurrent` lines in flight, resuming on start."""
+    """Answers each tenant's batches in creation order, up to `max_concurrent` lines of a tenant in
+    flight, resuming on start. Tenants run side by side, one lane each: a tenant whose lines wait
+    out its rate limit, or whose batch is long, never holds up another tenant's batches."""
 
     def __init__(self, store: BatchStore, execute: Executor, max_concurrent: int) -> None:
         self.store, self.execute, self.max_concurrent = store, execute, max_concurrent
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._lanes: dict[str, asyncio.Task] = {}  # tenant -> the task answering its batches
         self._failures: dict[str, int] = {}  # batch id -> processing passes failed in a row
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="nowait-batch-runner")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+        for task in [self._task, *self._lanes.values()]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
 
     def wake(self) -> None:
         self._wake.set()
 
     async def _run(self) -> None:
+        """Start a lane for each tenant with unfinished batches and none running; then wait for
+        a new batch (`wake`) or a second."""
         while True:
-            batch_ids: list[str] = []
             try:
-                batch_ids = await asyncio.to_thread(self.store.unfinished)
+                tenants = await asyncio.to_thread(self.store.unfinished_tenants)
             except asyncio.CancelledError:
                 raise
             except Exception:  # the store could not be read: try again shortly
                 log.exception("batch runner could not list the unfinished batches")
-                await asyncio.sleep(1.0)
+                tenants = []
+            for tenant in tenants:
+                lane = self._lanes.get(tenant)
+                if lane is None or lane.done():
+                    self._lanes[tenant] = asyncio.create_task(self._lane(tenant), name=f"nowait-batches-{tenant}")
+            self._wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), 1.0)
+
+    async def _lane(self, tenant: str) -> None:
+        """One tenant's unfinished batches in creation order, until it has none."""
+        while True:
+            try:
+                batch_ids = await asyncio.to_thread(self.store.unfinished, tenant)
+            except Exception:  # the store could not be read: the runner starts the lane again
+                log.exception("batch runner could not list tenant %s's unfinished batches", tenant)
+                return
+            if not batch_ids:
+                return
             for batch_id in batch_ids:
                 try:
                     await self._process(batch_id)
@@ -405,10 +433,6 @@ class BatchRunner:
                 except Exception as error:  # one failing batch must not hold up the ones after it
                     log.exception("batch %s failed in processing", batch_id)
                     await self._after_failure(batch_id, error)
-            if not batch_ids:
-                self._wake.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), 1.0)
 
     async def _after_failure(self, batch_id: str, error: Exception) -> None:
         """A batch still being validated after `MAX_PROCESS_FAILURES` failed passes is marked
