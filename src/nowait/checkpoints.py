@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from nowait.architectures import ARCHITECTURES, Architecture, architecture_for, read_model_config
 from nowait.checkpoint_files import CheckpointError, iter_tensors, read_json, tensor_names, weight_files
 from nowait.conventions import ModelConventions, read_conventions
+from nowait.hub_tokenizer import read_tokenizer
 from nowait.model import ModelConfig, Transformer
 from nowait.tokenizer import END, MASK, TextCodec
 
@@ -194,9 +195,7 @@ def load_pretrained(directory: str | Path, dtype: str | torch.dtype = "float32",
         raise CheckpointError(f"{directory}: {error}") from None
     if engine is not None:
         config.causal = engine == "ar"
-    if not (directory / "tokenizer.json").is_file():
-        raise CheckpointError(f"{directory}: missing tokenizer.json")
-    codec = TextCodec.from_file(directory / "tokenizer.json")
+    codec = TextCodec(read_tokenizer(directory))
     generation = read_json(directory / "generation_config.json", required=False)
     conventions = read_conventions(directory, hf, generation, codec, config)
     config.mask_token_id = conventions.mask_id
@@ -213,6 +212,6 @@ def copy_checkpoint(source: str | Path, destination: str | Path) -> None:
     destination = Path(destination)
     destination.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "generation_config.json"):
+                 "generation_config.json", "vocab.json", "merges.txt"):
         if (Path(source) / name).exists():
             shutil.copy2(Path(source) / name, destination / name)
