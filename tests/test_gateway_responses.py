@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from tests.gateway_support import API_KEY, SMALL_SCHEMA, base_config, free_port, live_server, save_tiny_models
+from tests.tenant_support import ADMIN_KEY, create_key
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 STREAM_EVENTS = ["response.created", "response.in_progress", "response.output_item.added",
@@ -23,7 +24,8 @@ CLOSING_EVENTS = ["response.output_text.done", "response.content_part.done", "re
 def server(tmp_path_factory, codec):
     root = tmp_path_factory.mktemp("gateway-responses")
     models = save_tiny_models(root / "models", codec)
-    with live_server(base_config(models, root / "data", free_port())) as live:
+    config = base_config(models, root / "data", free_port(), auth={"admin_keys": [ADMIN_KEY], "admin_keys_env": None})
+    with live_server(config) as live:
         yield live
 
 
@@ -137,3 +139,16 @@ def test_context_overflow_speaks_of_max_output_tokens(server):
     error = response.json()["error"]
     assert response.status_code == 400 and error["code"] == "context_length_exceeded"
     assert error["param"] == "max_output_tokens" and "max_output_tokens" in error["message"]
+
+
+def test_a_tenant_key_is_scoped_and_charged_on_responses_as_on_chat(server):
+    key = create_key(server, "team-responses", models=["ar"])["key"]
+    client = server.client(api_key=key)
+    with pytest.raises(openai.PermissionDeniedError) as refused:
+        client.responses.create(model="spec", input="Name: Ann", max_output_tokens=4)
+    assert refused.value.body["code"] == "model_not_allowed"
+    client.responses.create(model="ar", input="Name: Ann", max_output_tokens=4)
+    metrics = httpx.get(f"{server.base_url}/metrics").text
+    counted = {line.split("{")[1].split("}")[0]: float(line.split()[-1]) for line in metrics.splitlines()
+               if line.startswith("nowait:tenant_requests_total{") and 'tenant="team-responses"' in line}
+    assert counted == {'code="200",tenant="team-responses"': 1.0, 'code="403",tenant="team-responses"': 1.0}
