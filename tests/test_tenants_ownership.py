@@ -76,6 +76,13 @@ def test_another_tenants_files_and_batches_answer_as_missing_ones(server, teams)
         assert theirs.json()["error"]["message"].replace(file_a.id, "ID").replace(batch_a.id, "ID") == \
             absent.json()["error"]["message"].replace(missing_file, "ID").replace(missing_batch, "ID")
 
+    # Through the openai client, as B's program sees it.
+    for lookup in (lambda: b.files.retrieve(file_a.id), lambda: b.files.content(file_a.id),
+                   lambda: b.files.delete(file_a.id), lambda: b.batches.retrieve(batch_a.id),
+                   lambda: b.batches.cancel(batch_a.id)):
+        with pytest.raises(openai.NotFoundError):
+            lookup()
+
     # B may not name A's file as its batch's input: answered as a file that does not exist.
     named = httpx.post(f"{url}/v1/batches", headers=hb, timeout=30, json={
         "input_file_id": file_a.id, "endpoint": "/v1/chat/completions", "completion_window": "24h"})
