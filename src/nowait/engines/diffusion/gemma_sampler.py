@@ -1,0 +1,183 @@
+"""DiffusionGemma's sampler and decode loop, as transformers' reference generate() runs them.
+
+Source: transformers 5.x, models/diffusion_gemma/generation_diffusion_gemma.py. Unlike LLaDA,
+the canvas is not masked: it starts as uniformly random tokens, and each denoising step
+
+1. runs the denoiser over the canvas (self-conditioned on the previous step's logits),
+2. scales the logits by the step's temperature (`step_temperature`, linear from t_max at the
+   first step to t_min at the last: LinearTemperatureScheduleLogitsProcessor),
+3. samples a token at every position and keeps those of the lowest-entropy positions whose
+   summed entropy, less the largest of them, stays within the bound (`entropy_bound_accept`,
+   EntropyBoundSampler.accept_canvas, after arXiv 2505.24857),
+4. re-noises every other position with fresh random tokens (renoise_canvas),
+5. stops early once the argmax canvas has not changed for `stability_threshold` steps and the
+   mean entropy is below `confidence_threshold` (StableAndConfidentStoppingCriteria).
+
+The block's tokens are the last step's argmax canvas; it is then appended to the prompt's cache
+by the encoder and the next block starts. A row ends at the first end id in a block. The random
+draws are made in the reference's order (canvas, then per step a multinomial and a re-noising
+draw) from one generator, so one seed gives transformers' tokens exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from nowait.model.diffusion_gemma import DiffusionGemma, PromptCache
+
+
+@dataclass(frozen=True)
+class GemmaSampling:
+    """The reference's defaults (DiffusionGemmaGenerationConfig._get_default_generation_params)."""
+
+    max_denoising_steps: int = 48
+    entropy_bound: float = 0.1
+    t_min: float = 0.4
+    t_max: float = 0.8
+    stability_threshold: int = 1
+    confidence_threshold: float = 0.005
+
+    @classmethod
+    def from_generation_config(cls, generation: dict) -> GemmaSampling:
+        """A checkpoint's generation_config.json values over the defaults."""
+        defaults = cls()
+        sampler = generation.get("sampler_config") or {}
+        return cls(
+            max_denoising_steps=int(generation.get("max_denoising_steps") or defaults.max_denoising_steps),
+            entropy_bound=float(sampler.get("entropy_bound", defaults.entropy_bound)),
+            t_min=float(generation.get("t_min", defaults.t_min)),
+            t_max=float(generation.get("t_max", defaults.t_max)),
+            stability_threshold=int(generation.get("stability_threshold", defaults.stability_threshold)),
+            confidence_threshold=float(generation.get("confidence_threshold", defaults.confidence_threshold)),
+        )
+
+
+def step_temperature(remaining: int, steps: int, t_min: float, t_max: float) -> float:
+    """t = t_min + (t_max - t_min) * n / N, where n counts the steps *remaining* (N first, 1 last)."""
+    return t_min + (t_max - t_min) * (remaining / steps)
+
+
+def token_entropy(logits: Tensor) -> Tensor:
+    """Per-position entropy of softmax(logits), as torch.distributions.Categorical computes it."""
+    normalized = logits - logits.logsumexp(dim=-1, keepdim=True)
+    clamped = torch.clamp(normalized, min=torch.finfo(normalized.dtype).min)
+    return -(clamped * normalized.softmax(-1)).sum(-1)
+
+
+def entropy_bound_accept(logits: Tensor, bound: float) -> Tensor:
+    """[B, L] True at the k lowest-entropy positions with sum(entropy_1..k) - max(entropy_1..k) <= bound
+    (the positions' joint mutual information bound): always at least the most certain one."""
+    entropy = token_entropy(logits)
+    ordered, order = torch.sort(entropy, dim=-1, descending=False)
+    selected = ordered.cumsum(-1) - ordered <= bound  # ascending: the running max is the current one
+    return torch.scatter(torch.zeros_like(selected), -1, order, selected)
+
+
+@dataclass
+class StabilityTracker:
+    """StableAndConfidentStoppingCriteria for one block: the argmax canvases of the last
+    `threshold` steps, and the mean-entropy test."""
+
+    threshold: int
+    confidence: float
+    history: Tensor | None = None
+
+    def done(self, argmax: Tensor, logits: Tensor) -> Tensor:
+        if self.threshold == 0:
+            stable = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+        else:
+            if self.history is None:
+                self.history = torch.full((self.threshold, *argmax.shape), -1, dtype=argmax.dtype,
+                                          device=argmax.device)
+            stable = (self.history == argmax[None]).all(-1).all(0)
+            self.history = torch.roll(self.history, shifts=-1, dims=0)
+            self.history[-1] = argmax
+        return stable & (token_entropy(logits).mean(-1) < self.confidence)
+
+
+@dataclass
+class GemmaBlock:
+    """One finished block: its tokens (the last argmax canvas), the denoiser passes it took, and
+    the per-position probability of each token under the last step's processed logits."""
+
+    tokens: Tensor  # [L]
+    forwards: int
+    probabilities: Tensor  # [L]
+
+
+@dataclass
+class GemmaDecode:
+    tokens: list[int]  # generated ids before the first end id, at most max_new_tokens
+    finish_reason: str  # "stop" (an end id) or "length"
+    blocks: list[GemmaBlock] = field(default_factory=list)
+
+    @property
+    def forwards(self) -> int:
+        return sum(block.forwards for block in self.blocks)
+
+
+@torch.no_grad()
+def denoise_block(model: DiffusionGemma, cache: PromptCache, sampling: GemmaSampling,
+                  generator: torch.Generator | None,
+                  on_step: Callable[[Tensor], None] | None = None) -> GemmaBlock:
+    """One canvas of the reference's inner loop, for one row over `cache`."""
+    c = model.config
+    device = model.embed_tokens.weight.device
+    canvas = torch.randint(0, c.vocab_size, (1, c.canvas_length), device=device, generator=generator)
+    tracker = StabilityTracker(sampling.stability_threshold, sampling.confidence_threshold)
+    self_conditioning, argmax, processed, forwards = None, canvas, None, 0
+    steps = sampling.max_denoising_steps
+    for remaining in range(steps, 0, -1):
+        logits = model.denoise(canvas, cache, self_conditioning)
+        forwards += 1
+        processed = logits / step_temperature(remaining, steps, sampling.t_min, sampling.t_max)
+        probabilities = torch.softmax(processed, dim=-1, dtype=torch.float32)
+        sampled = torch.multinomial(probabilities.view(-1, c.vocab_size), 1, generator=generator).view(canvas.shape)
+        argmax = processed.argmax(-1)
+        accepted = entropy_bound_accept(processed, sampling.entropy_bound)
+        kept = torch.where(accepted, sampled, canvas)
+        noise = torch.randint(0, c.vocab_size, canvas.shape, device=device, generator=generator)
+        canvas = torch.where(accepted, kept, noise)
+        if on_step is not None:
+            on_step(argmax[0])
+        finished = bool(tracker.done(argmax, processed)[0])
+        self_conditioning = processed.to(model.embed_tokens.weight.dtype)
+        if finished:
+            break
+    chosen = processed.softmax(-1, dtype=torch.float32).gather(-1, argmax[..., None])[..., 0]
+    return GemmaBlock(tokens=argmax[0], forwards=forwards, probabilities=chosen[0])
+
+
+@torch.no_grad()
+def generate_diffusion_gemma(model: DiffusionGemma, prompt: list[int], max_new_tokens: int, end_ids: tuple[int, ...],
+                             sampling: GemmaSampling, generator: torch.Generator | None = None,
+                             on_block: Callable[[GemmaBlock], None] | None = None) -> GemmaDecode:
+    """The reference's outer loop for one prompt: encode, denoise a block, append it, repeat
+    until a block holds an end id or ceil(max_new_tokens / canvas_length) blocks are done."""
+    if max_new_tokens <= 0:
+        raise ValueError("max_new_tokens must be positive")
+    device = model.embed_tokens.weight.device
+    cache = PromptCache(model.config.num_layers)
+    pending = torch.tensor([prompt], dtype=torch.long, device=device)
+    decode = GemmaDecode(tokens=[], finish_reason="length")
+    length = model.config.canvas_length
+    for _ in range(-(-max_new_tokens // length)):
+        model.encode(pending, cache)
+        block = denoise_block(model, cache, sampling, generator)
+        decode.blocks.append(block)
+        if on_block is not None:
+            on_block(block)
+        ids = block.tokens.tolist()
+        ends = [i for i, token in enumerate(ids) if token in end_ids]
+        decode.tokens.extend(ids[: ends[0]] if ends else ids)
+        if ends:
+            decode.finish_reason = "stop"
+            break
+        pending = block.tokens[None]
+    if len(decode.tokens) > max_new_tokens:  # whole blocks were denoised; the answer ends at the limit
+        decode.tokens, decode.finish_reason = decode.tokens[:max_new_tokens], "length"
+    return decode
