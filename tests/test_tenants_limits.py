@@ -15,9 +15,10 @@ import pytest
 
 from nowait.gateway.errors import APIError
 from nowait.gateway.limits import TenantLimits
+from nowait.gateway.spend_restore import spent_since, start_of_utc_day
 from nowait.gateway.tenants import Caller
 from nowait.router import DataClass
-from tests.gateway_support import FakeUpstream
+from tests.gateway_support import API_KEY, FakeUpstream, free_port
 from tests.tenant_support import ManualClock, bearer, chat, create_key, tenant_config, tenant_server
 
 HIGH_VALUE_PUBLIC = {"token_value_usd_per_mtok": 50.0, "data_class": "public"}  # the frontier API's work
@@ -250,3 +251,31 @@ def test_a_key_floor_holds_over_any_declared_class():
     assert floor.floored(DataClass.public) == DataClass.internal
     assert floor.floored(DataClass.restricted) == DataClass.restricted
     assert Caller().floored(DataClass.public) == DataClass.public
+
+
+# --- the day's spend across a restart ---
+
+def test_the_days_spend_is_read_back_from_the_audit_log(tmp_path):
+    day = 86_400 * 20_000.0
+    log = tmp_path / "audit.jsonl"
+    entries = [{"time": day - 10, "tenant": "a", "status": 200, "cost_usd": 100.0},  # yesterday
+               {"time": day + 5, "tenant": "a", "status": 200, "cost_usd": 0.25},
+               {"time": day + 6, "tenant": "b", "status": 200, "cost_usd": 1.0},
+               {"time": day + 7, "tenant": "a", "status": 429, "cost_usd": 9.0},  # not answered
+               {"time": day + 8, "status": 200, "cost_usd": 0.5}]  # written before tenants
+    log.write_text("".join(json.dumps(e) + "\n" for e in entries) + '{"torn')
+    assert spent_since(log, start_of_utc_day(day + 100)) == {"a": 0.25, "b": 1.0, "default": 0.5}
+    assert spent_since(tmp_path / "none.jsonl", day) == {}
+
+
+def test_a_restart_does_not_renew_a_spent_budget(tmp_path, codec):
+    config, _ = tenant_config(tmp_path, codec)
+    with tenant_server(config) as server:
+        key = create_key(server, "teamSpent", budget_usd_per_day=1e-9)["key"]
+        assert chat(server, key).status_code == 200  # crosses the line
+        assert error_code(chat(server, key)) == "insufficient_quota"
+    config["server"]["port"] = free_port()
+    with tenant_server(config) as server:  # the same data directory: the same keys and audit log
+        refused = chat(server, key)
+        assert refused.status_code == 429 and error_code(refused) == "insufficient_quota"
+        assert chat(server, API_KEY).status_code == 200  # the tenant default has no budget

@@ -10,7 +10,8 @@
 
 Refusals: 429 `rate_limit_exceeded` with `Retry-After` and the `x-ratelimit-*` headers, 429
 `insufficient_quota`. Windows are sliding logs per key and spend is counted per tenant, so one
-tenant over its limits never holds up another. The clock is injectable (tests move time).
+tenant over its limits never holds up another. The clock is injectable (tests move time). The
+windows live in memory; the day's spend is read back from the audit log when the server starts.
 """
 
 from __future__ import annotations
@@ -133,6 +134,13 @@ class TenantLimits:
             now, key = self.clock(), self._key(caller)
             return self._headers(caller, self._window(self._requests, key, now),
                                  self._window(self._tokens, key, now))
+
+    def restore(self, spent: dict[str, float]) -> None:
+        """Today's spend per tenant, as the audit log has it (spend_restore.py), added on start."""
+        with self._lock:
+            now = self.clock()
+            for tenant, usd in spent.items():
+                self._spend[tenant] = (utc_day(now), self._spent(tenant, now) + usd)
 
     def charge(self, caller: Caller, tokens: int, cost_usd: float) -> None:
         """An answered request's tokens (the key's window) and cost (the tenant's day)."""

@@ -28,6 +28,7 @@ from nowait.gateway.limits import TenantLimits
 from nowait.gateway.metrics import GatewayMetrics
 from nowait.gateway.responses import chat_completion, text_completion
 from nowait.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from nowait.gateway.spend_restore import spent_since, start_of_utc_day
 from nowait.gateway.tenant_dispatch import TenantDispatcher
 from nowait.gateway.tenants import CURRENT_CALLER, Caller
 from nowait.router import restrict_to_available
@@ -63,6 +64,9 @@ class Gateway:
         self.limits.clock = self.authenticator.clock = self.keys.clock = clock
 
     async def start(self) -> None:
+        # Today's spend survives a restart: a tenant's budget is not renewed by one.
+        since = start_of_utc_day(self.limits.clock())
+        self.limits.restore(await asyncio.to_thread(spent_since, self.config.audit_log_path, since))
         for backend in self.backends.values():
             await backend.start()
         await self.runner.start()
