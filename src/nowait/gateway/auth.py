@@ -35,6 +35,15 @@ def _matches(token: bytes, keys: list[bytes]) -> bool:
     return found
 
 
+def is_admin_path(path: str) -> bool:
+    return path.startswith(ADMIN_PREFIX) or path == ADMIN_PREFIX.rstrip("/")
+
+
+def needs_key(path: str) -> bool:
+    """/v1 and /admin; health, readiness and metrics never need a key."""
+    return path.startswith("/v1/") or is_admin_path(path)
+
+
 class Authenticator:
     def __init__(self, api_keys: set[str], admin_keys: set[str], store: KeyStore,
                  clock: Callable[[], float] = time.time) -> None:
@@ -77,10 +86,10 @@ class Authenticator:
         """The caller of a request to `path`; None where no key is needed (health, metrics)."""
         scheme, _, token = header.partition(b" ")
         token = token.strip() if scheme.lower() == b"bearer" else b""
-        if path.startswith(ADMIN_PREFIX) or path == ADMIN_PREFIX.rstrip("/"):
+        if is_admin_path(path):
             self.admin(token)
             return None
-        if not path.startswith("/v1/"):
+        if not needs_key(path):
             return None
         if self.open():
             return DEFAULT_CALLER

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import suppress
 
-from nowait.gateway.auth import Authenticator
+from nowait.gateway.auth import Authenticator, needs_key
 from nowait.gateway.errors import APIError
 from nowait.gateway.limits import TenantLimits
 from nowait.gateway.tenants import caller_in, set_caller
@@ -28,7 +28,7 @@ class ApiKeyMiddleware:
         self.app, self.authenticator, self.on_refusal = app, authenticator, on_refusal
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
+        if scope["type"] == "http" and needs_key(scope["path"]):
             header = dict(scope["headers"]).get(b"authorization", b"")
             authenticator = self.authenticator()
             if authenticator is None:
