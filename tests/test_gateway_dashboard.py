@@ -158,6 +158,11 @@ def test_dashboard_data_is_the_metrics(server):
     assert {(e["status"], e["code"]): e["count"] for e in data["errors"]} == errors
     assert errors[("404", "model_not_found")] == 1 and errors[("401", "invalid_api_key")] == 1
     assert data["engines"]["diffusion"]["fallback_rate"] == 1.0  # both routed answers re-ran on AR
+    requests = {(dict(k)["tenant"], dict(k)["code"]): v for k, v in found["nowait:tenant_requests_total"].items()}
+    assert {t: v["requests"] for t, v in data["tenants"].items()} == {"default": sum(requests.values())}
+    assert data["tenants"]["default"]["answered"] == requests[("default", "200")]
+    cost = {dict(k)["tenant"]: v for k, v in found["nowait:tenant_cost_usd_total"].items()}
+    assert data["tenants"]["default"]["cost_usd"] == cost["default"] > 0
 
 
 def test_dashboard_page_is_self_contained(server):
@@ -184,7 +189,7 @@ class Cells(HTMLParser):
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
         if tag == "tr":
-            for kind in ("route", "engine", "error"):
+            for kind in ("route", "engine", "error", "tenant"):
                 if f"data-{kind}" in a:
                     self._row = (kind, a[f"data-{kind}"])
                     self.rows[self._row] = {}
@@ -228,3 +233,7 @@ def test_browser_shows_the_metrics_counts(server, tmp_path):
     errors = {f"{dict(k)['status']} {dict(k)['code']}": v for k, v in found["nowait:request_errors_total"].items()}
     assert {key: float(f["count"]) for (kind, key), f in cells.rows.items() if kind == "error"} == errors
     assert float(cells.ids["total-requests"]) == sum(routes.values())
+    tenants = {}
+    for labels, value in found["nowait:tenant_requests_total"].items():
+        tenants[dict(labels)["tenant"]] = tenants.get(dict(labels)["tenant"], 0) + value
+    assert {key: float(f["requests"]) for (kind, key), f in cells.rows.items() if kind == "tenant"} == tenants

@@ -70,6 +70,23 @@ def _gauge(found: dict[str, dict[Labels, float]], name: str) -> dict[str, float 
     return {engine: (None if math.isnan(value) else value) for engine, value in per_engine.items()}
 
 
+def tenants(found: dict[str, dict[Labels, float]]) -> dict[str, dict[str, float]]:
+    """Per tenant: requests (answered or refused by the router), those answered 200, tokens, dollars."""
+    out: dict[str, dict[str, float]] = defaultdict(lambda: {"requests": 0.0, "answered": 0.0, "prompt_tokens": 0.0,
+                                                            "completion_tokens": 0.0, "cost_usd": 0.0})
+    for labels, value in found.get("nowait:tenant_requests_total", {}).items():
+        named = dict(labels)
+        out[named["tenant"]]["requests"] += value
+        if named.get("code") == "200":
+            out[named["tenant"]]["answered"] += value
+    for labels, value in found.get("nowait:tenant_tokens_total", {}).items():
+        named = dict(labels)
+        out[named["tenant"]][f"{named.get('kind', '')}_tokens"] += value
+    for labels, value in found.get("nowait:tenant_cost_usd_total", {}).items():
+        out[dict(labels)["tenant"]]["cost_usd"] += value
+    return {tenant: dict(numbers) for tenant, numbers in sorted(out.items())}
+
+
 def dashboard_numbers(registry: CollectorRegistry) -> dict:
     """What the live page shows, from the registry's current samples."""
     found = samples(registry)
@@ -95,5 +112,6 @@ def dashboard_numbers(registry: CollectorRegistry) -> dict:
     fallbacks = [dict(labels) | {"count": value}
                  for labels, value in sorted(found.get("nowait:fallbacks_total", {}).items())]
     return {"time": time.time(), "engines": engines, "routes": routes, "errors": errors, "fallbacks": fallbacks,
+            "tenants": tenants(found),
             "totals": {"requests": sum(r["requests"] for r in routes.values()),
                        "errors": sum(e["count"] for e in errors)}}
