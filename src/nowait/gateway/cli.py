@@ -18,11 +18,11 @@ def _is_loopback(host: str) -> bool:
 
 def _has_keys(settings) -> bool:
     """Any key that closes the server: configured, admin, or in the key store."""
-    from nowait.gateway.keys import SqliteKeyStore
+    from nowait.gateway.keys import open_key_store
 
     if settings.auth.keys() or settings.auth.admin():
         return True
-    store = SqliteKeyStore(settings.key_database)
+    store = open_key_store(settings.key_database)
     try:
         return store.any_keys()
     finally:

@@ -203,3 +203,10 @@ class SqliteKeyStore:
     def any_keys(self) -> bool:
         return bool(self._rows("SELECT 1 FROM api_keys LIMIT 1"))
 
+
+def open_key_store(path: str | Path, clock: Callable[[], float] = time.time) -> KeyStore:
+    """The key store the configuration names: today a SQLite file. A shared PostgreSQL store
+    (several gateway replicas) would be chosen here, behind the same `KeyStore` interface, with
+    the same statements (the SQL above keeps to what both databases accept)."""
+    return SqliteKeyStore(path, clock)
+

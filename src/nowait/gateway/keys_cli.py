@@ -20,13 +20,13 @@ CONFIG_OPTION = typer.Option(None, "--config", "-c", help="nowait.yaml of the ga
 
 def _store(config: Path | None):
     from nowait.gateway.config import ConfigError, default_config, load_config
-    from nowait.gateway.keys import SqliteKeyStore
+    from nowait.gateway.keys import open_key_store
 
     try:
         settings = load_config(config) if config is not None else default_config()
     except ConfigError as error:
         fail(str(error))
-    return SqliteKeyStore(settings.key_database)
+    return open_key_store(settings.key_database)
 
 
 def _when(moment: int | None) -> str:

@@ -22,7 +22,7 @@ from nowait.gateway.config import GatewayConfig
 from nowait.gateway.dispatch import Outcome
 from nowait.gateway.domain import Backend, Call
 from nowait.gateway.errors import APIError, bad_request
-from nowait.gateway.keys import SqliteKeyStore
+from nowait.gateway.keys import open_key_store
 from nowait.gateway.ledger import AuditLog
 from nowait.gateway.limits import TenantLimits
 from nowait.gateway.metrics import GatewayMetrics
@@ -56,7 +56,7 @@ class Gateway:
                                            self.audit, config.server.request_timeout_s, limits=self.limits)
         self.store = BatchStore(config.batch_database)
         self.runner = BatchRunner(self.store, self.execute, config.batches.max_concurrent_lines)
-        self.keys = SqliteKeyStore(config.key_database)
+        self.keys = open_key_store(config.key_database)
         self.authenticator = Authenticator(config.auth.keys(), config.auth.admin(), self.keys)
 
     def use_clock(self, clock: Callable[[], float]) -> None:
