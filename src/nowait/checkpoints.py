@@ -22,6 +22,8 @@ from safetensors.torch import save_file
 from nowait.architectures import ARCHITECTURES, Architecture, architecture_for, read_model_config
 from nowait.checkpoint_files import CheckpointError, iter_tensors, read_json, tensor_names, weight_files
 from nowait.conventions import ModelConventions, read_conventions
+from nowait.gemma_checkpoint import ARCHITECTURE as GEMMA_ARCHITECTURE
+from nowait.gemma_checkpoint import diffusion_gemma_config, load_diffusion_gemma
 from nowait.hub_tokenizer import read_tokenizer
 from nowait.model import ModelConfig, Transformer
 from nowait.tokenizer import END, MASK, TextCodec
@@ -188,6 +190,8 @@ def load_pretrained(directory: str | Path, dtype: str | torch.dtype = "float32",
     check_device(device)
     hf = read_json(directory / "config.json")
     dtype = torch_dtype(dtype, hf)
+    if (hf.get("architectures") or [None])[0] == GEMMA_ARCHITECTURE:
+        return _load_diffusion_gemma(directory, hf, dtype, device, engine)
     try:
         architecture = architecture_for(hf)
         config = read_model_config(architecture, hf)
@@ -204,6 +208,28 @@ def load_pretrained(directory: str | Path, dtype: str | torch.dtype = "float32",
                               "(mask_token_id) nor tokenizer_config.json (mask_token) names one")
     model = load_weights(directory, architecture, config, dtype, device)
     return LoadedModel(model=model.eval(), codec=codec, hf_config=hf, generation=generation, path=directory,
+                       conventions=conventions)
+
+
+def _load_diffusion_gemma(directory: Path, hf: dict, dtype: torch.dtype, device: str,
+                          engine: str | None) -> LoadedModel:
+    """A DiffusionGemmaForBlockDiffusion directory: its text model (`nowait.gemma_checkpoint`)."""
+    if engine == "ar":
+        raise CheckpointError(f"{directory}: DiffusionGemma is a block-diffusion model; it has no AR engine")
+    try:
+        config = diffusion_gemma_config(hf)
+    except CheckpointError as error:
+        raise CheckpointError(f"{directory}: {error}") from None
+    except KeyError as error:
+        raise CheckpointError(f"{directory}: config.json: missing key {error.args[0]!r}") from None
+    codec = TextCodec(read_tokenizer(directory))
+    generation = read_json(directory / "generation_config.json", required=False)
+    text = hf.get("text_config") or {}
+    # The end ids sit in text_config (config.json's top level has none).
+    conventions = read_conventions(directory, {**hf, "eos_token_id": hf.get("eos_token_id", text.get("eos_token_id"))},
+                                   generation, codec, config)
+    model = load_diffusion_gemma(directory, config, dtype, device)
+    return LoadedModel(model=model, codec=codec, hf_config=hf, generation=generation, path=directory,
                        conventions=conventions)
 
 

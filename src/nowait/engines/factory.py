@@ -13,7 +13,7 @@ is an upstream reached over HTTP (gateway/remote.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,7 +28,10 @@ from nowait.engines.config import (
     SpecEngineConfig,
 )
 from nowait.engines.diffusion import DiffusionEngine
+from nowait.engines.diffusion.gemma_engine import DiffusionGemmaEngine
+from nowait.engines.diffusion.gemma_sampler import GemmaSampling
 from nowait.engines.speculative import SpeculativeEngine, build_drafter
+from nowait.model.diffusion_gemma import DiffusionGemma
 
 if TYPE_CHECKING:
     from nowait.conventions import ModelConventions
@@ -36,7 +39,7 @@ if TYPE_CHECKING:
     from nowait.model import Transformer
     from nowait.tokenizer import TextCodec
 
-OwnedEngine = AutoregressiveEngine | SpeculativeEngine | DiffusionEngine
+OwnedEngine = AutoregressiveEngine | SpeculativeEngine | DiffusionEngine | DiffusionGemmaEngine
 
 
 class EngineConfigError(ValueError):
@@ -52,10 +55,11 @@ class EngineModel:
     model: Transformer
     codec: TextCodec
     end_ids: tuple[int, ...] | None = None
+    generation: dict = field(default_factory=dict)  # generation_config.json (DiffusionGemma's sampler reads it)
 
     @classmethod
     def of(cls, loaded: LoadedModel) -> EngineModel:
-        return cls(loaded.model, loaded.codec, loaded.conventions.end_ids)
+        return cls(loaded.model, loaded.codec, loaded.conventions.end_ids, loaded.generation)
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,9 @@ def engine_from(config: OwnedEngineSpec, target: EngineModel, draft: EngineModel
 
 
 def _engine(config: OwnedEngineSpec, target: EngineModel, draft: EngineModel | None) -> OwnedEngine:
+    if isinstance(config, DiffusionEngineConfig) and isinstance(target.model, DiffusionGemma):
+        return DiffusionGemmaEngine(target.model, target.codec, GemmaSampling.from_generation_config(target.generation),
+                                    end_ids=target.end_ids or ())
     if isinstance(config, DiffusionEngineConfig):
         return DiffusionEngine(target.model, target.codec, config.diffusion_options(), max_batch=config.max_batch,
                                end_ids=target.end_ids)

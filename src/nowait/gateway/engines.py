@@ -10,7 +10,6 @@ import logging
 from nowait import paths
 from nowait.checkpoints import CheckpointError
 from nowait.engines.config import DiffusionEngineConfig, OwnedEngineSpec, RemoteEngineConfig, SpecEngineConfig
-from nowait.engines.diffusion import DiffusionEngine
 from nowait.engines.factory import ModelCache, build_engine
 from nowait.engines.speculative import IncompatibleDraftError
 from nowait.gateway.config import GatewayConfig
@@ -51,7 +50,7 @@ def build_owned(name: str, spec: OwnedEngineSpec, cache: ModelCache, window_s: f
     except (CheckpointError, ValueError) as error:
         return _unavailable(name, spec, str(error), window_s)
     stats = EngineStats(window_s, spec.node_usd_per_hour)
-    if isinstance(built.engine, DiffusionEngine):
+    if built.engine.kind == "diffusion":  # DiffusionEngine, DiffusionGemmaEngine
         worker: EngineWorker = DiffusionWorker(name, built.engine, built.codec, stats)
     else:
         worker = ArWorker(name, built.engine, built.codec, stats)

@@ -54,6 +54,11 @@ class DiffusionGemmaConfig:
     final_logit_softcapping: float | None = 30.0
     max_position: int = 131072
     extra: dict = field(default_factory=dict)
+    # What callers ask of any nowait model config: a diffusion model, with no mask token (its
+    # canvas is random tokens) and no logit shift.
+    causal: bool = False
+    mask_token_id: int | None = None
+    logits_shift: bool = False
 
     @property
     def num_layers(self) -> int:

@@ -21,7 +21,7 @@ draw) from one generator, so one seed gives transformers' tokens exactly.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -102,7 +102,7 @@ class StabilityTracker:
 @dataclass
 class GemmaBlock:
     """One finished block: its tokens (the last argmax canvas), the denoiser passes it took, and
-    the per-position probability of each token under the last step's processed logits."""
+    each token's probability under the last step's raw (temperature 1) logits."""
 
     tokens: Tensor  # [L]
     forwards: int
@@ -122,8 +122,7 @@ class GemmaDecode:
 
 @torch.no_grad()
 def denoise_block(model: DiffusionGemma, cache: PromptCache, sampling: GemmaSampling,
-                  generator: torch.Generator | None,
-                  on_step: Callable[[Tensor], None] | None = None) -> GemmaBlock:
+                  generator: torch.Generator | None) -> GemmaBlock:
     """One canvas of the reference's inner loop, for one row over `cache`."""
     c = model.config
     device = model.embed_tokens.weight.device
@@ -142,42 +141,48 @@ def denoise_block(model: DiffusionGemma, cache: PromptCache, sampling: GemmaSamp
         kept = torch.where(accepted, sampled, canvas)
         noise = torch.randint(0, c.vocab_size, canvas.shape, device=device, generator=generator)
         canvas = torch.where(accepted, kept, noise)
-        if on_step is not None:
-            on_step(argmax[0])
         finished = bool(tracker.done(argmax, processed)[0])
         self_conditioning = processed.to(model.embed_tokens.weight.dtype)
         if finished:
             break
-    chosen = processed.softmax(-1, dtype=torch.float32).gather(-1, argmax[..., None])[..., 0]
+    # The model's own probability of each chosen token (temperature 1): the schedule's low final
+    # temperature would report near-certainty for any argmax.
+    chosen = logits.softmax(-1, dtype=torch.float32).gather(-1, argmax[..., None])[..., 0]
     return GemmaBlock(tokens=argmax[0], forwards=forwards, probabilities=chosen[0])
 
 
-@torch.no_grad()
-def generate_diffusion_gemma(model: DiffusionGemma, prompt: list[int], max_new_tokens: int, end_ids: tuple[int, ...],
-                             sampling: GemmaSampling, generator: torch.Generator | None = None,
-                             on_block: Callable[[GemmaBlock], None] | None = None) -> GemmaDecode:
-    """The reference's outer loop for one prompt: encode, denoise a block, append it, repeat
-    until a block holds an end id or ceil(max_new_tokens / canvas_length) blocks are done."""
+def decode_blocks(model: DiffusionGemma, prompt: list[int], max_new_tokens: int, end_ids: tuple[int, ...],
+                  sampling: GemmaSampling, generator: torch.Generator | None = None) -> Iterator[GemmaBlock]:
+    """The reference's outer loop for one prompt, one finished block at a time: encode, denoise
+    a block, append it, until a block holds an end id or ceil(max_new_tokens / canvas_length)
+    blocks are done."""
     if max_new_tokens <= 0:
         raise ValueError("max_new_tokens must be positive")
     device = model.embed_tokens.weight.device
     cache = PromptCache(model.config.num_layers)
     pending = torch.tensor([prompt], dtype=torch.long, device=device)
-    decode = GemmaDecode(tokens=[], finish_reason="length")
-    length = model.config.canvas_length
-    for _ in range(-(-max_new_tokens // length)):
-        model.encode(pending, cache)
-        block = denoise_block(model, cache, sampling, generator)
-        decode.blocks.append(block)
-        if on_block is not None:
-            on_block(block)
-        ids = block.tokens.tolist()
-        ends = [i for i, token in enumerate(ids) if token in end_ids]
-        decode.tokens.extend(ids[: ends[0]] if ends else ids)
-        if ends:
-            decode.finish_reason = "stop"
-            break
+    for _ in range(-(-max_new_tokens // model.config.canvas_length)):
+        with torch.no_grad():
+            model.encode(pending, cache)
+            block = denoise_block(model, cache, sampling, generator)
+        yield block
+        if any(token in end_ids for token in block.tokens.tolist()):
+            return
         pending = block.tokens[None]
-    if len(decode.tokens) > max_new_tokens:  # whole blocks were denoised; the answer ends at the limit
-        decode.tokens, decode.finish_reason = decode.tokens[:max_new_tokens], "length"
-    return decode
+
+
+def answer_of(blocks: list[GemmaBlock], max_new_tokens: int, end_ids: tuple[int, ...]) -> GemmaDecode:
+    """The answer the blocks so far spell: their tokens up to the first end id ("stop"), at most
+    `max_new_tokens` of them ("length": whole blocks are denoised, the answer ends at the limit)."""
+    ids = [token for block in blocks for token in block.tokens.tolist()]
+    end = next((i for i, token in enumerate(ids) if token in end_ids), None)
+    if end is not None and end <= max_new_tokens:
+        return GemmaDecode(tokens=ids[:end], finish_reason="stop", blocks=list(blocks))
+    return GemmaDecode(tokens=ids[:max_new_tokens], finish_reason="length", blocks=list(blocks))
+
+
+def generate_diffusion_gemma(model: DiffusionGemma, prompt: list[int], max_new_tokens: int, end_ids: tuple[int, ...],
+                             sampling: GemmaSampling, generator: torch.Generator | None = None) -> GemmaDecode:
+    """The whole decode of one prompt (`decode_blocks`, then `answer_of`)."""
+    blocks = list(decode_blocks(model, prompt, max_new_tokens, end_ids, sampling, generator))
+    return answer_of(blocks, max_new_tokens, end_ids)
