@@ -68,6 +68,25 @@ def config_to_hf(config: ModelConfig) -> dict:
     }
 
 
+def tokenizer_config() -> dict:
+    """The demo models' tokenizer_config.json: the special tokens, the chat template, and what
+    makes transformers' `AutoTokenizer` give nowait's ids. Without a `tokenizer_class` it picks
+    the class from config.json's `model_type: llama` (LlamaTokenizerFast), which adds `<s>` and
+    `<unk>` beyond the vocabulary and prepends a BOS to every encode; the plain fast tokenizer
+    with no BOS, no EOS and no clean-up of spaces encodes and decodes as `TextCodec` does."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "bos_token": None,
+        "unk_token": None,
+        "eos_token": END, "pad_token": END, "mask_token": MASK,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}",
+    }
+
+
 def save_pretrained(model: Transformer, codec: TextCodec, directory: str | Path,
                     generation: dict | None = None, notes: dict | None = None) -> Path:
     """Write a self-contained checkpoint directory (weights, config, tokenizer, generation)."""
@@ -80,11 +99,7 @@ def save_pretrained(model: Transformer, codec: TextCodec, directory: str | Path,
         hf["nowait"]["training"] = notes
     (directory / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     codec.tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": END, "pad_token": END, "mask_token": MASK,
-        "chat_template": "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
-                         "{% if add_generation_prompt %}<|assistant|>{% endif %}",
-    }, indent=2) + "\n")
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
     generation_config = {"eos_token_id": codec.end_id, "pad_token_id": codec.end_id, **(generation or {})}
     (directory / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
     return directory
