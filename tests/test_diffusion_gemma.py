@@ -82,6 +82,9 @@ def test_a_block_encoded_onto_a_cached_prompt_matches_one_uncached_forward(gemma
     ours.encode(prompt, mine)
     ours.encode(block, mine)
     assert mine.length == 9 + CANVAS
+    # A sliding layer keeps what its window can still see, as transformers' sliding cache does.
+    assert [k.shape[2] for k in mine.keys] == [layer.keys.shape[2] for layer in cache.layers] == [
+        SLIDING_WINDOW - 1, 9 + CANVAS, 9 + CANVAS]
     ours_logits = ours.denoise(canvas, mine)
     assert max_diff(ours_logits, cached) <= TOLERANCE
     assert max_diff(ours_logits, uncached) <= TOLERANCE

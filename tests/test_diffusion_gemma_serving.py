@@ -14,6 +14,7 @@ from nowait.engines.config import DiffusionEngineConfig
 from nowait.engines.diffusion.gemma_engine import DiffusionGemmaEngine
 from nowait.engines.diffusion.gemma_sampler import GemmaSampling, generate_diffusion_gemma
 from nowait.engines.factory import ModelCache, build_engine
+from nowait.generate import generate_once, prompt_ids
 from nowait.model.diffusion_gemma import DiffusionGemma
 
 from .gateway_support import API_KEY, free_port, live_server
@@ -45,6 +46,14 @@ def test_load_pretrained_reads_the_text_model_and_its_conventions(checkpoint):
     assert loaded.conventions.chat_template is not None
     with pytest.raises(Exception, match="no AR engine"):
         load_pretrained(checkpoint, engine="ar")
+
+
+def test_nowait_generate_runs_it_with_its_chat_template(checkpoint):
+    loaded = load_pretrained(checkpoint)
+    first, _ = generate_once(loaded, "hello cat", CANVAS, seed=4)
+    again, _ = generate_once(loaded, "hello cat", CANVAS, seed=4)
+    assert first.token_ids == again.token_ids and len(first.token_ids) <= CANVAS  # the seed fixes the answer
+    assert first.prompt_tokens == len(prompt_ids(loaded, "hello cat")) and first.forwards >= 1
 
 
 def test_the_factory_builds_the_gemma_engine_with_the_checkpoints_sampler(engine):

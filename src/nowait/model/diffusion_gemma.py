@@ -72,8 +72,9 @@ class DiffusionGemmaConfig:
 
 
 class PromptCache:
-    """Keys and values the encoder wrote, per layer [B, kv_heads, S, D], for every position so far
-    (a sliding layer's attention reads only its window of them)."""
+    """Keys and values the encoder wrote, per layer [B, kv_heads, S, D]: a global layer's for every
+    position so far, a sliding layer's for the last `sliding_window - 1` only (all that a later
+    query can see, as transformers' sliding cache layer keeps them)."""
 
     def __init__(self, layers: int) -> None:
         self.keys: list[Tensor | None] = [None] * layers
@@ -86,6 +87,10 @@ class PromptCache:
         else:
             self.keys[layer] = torch.cat([self.keys[layer], keys], dim=2)
             self.values[layer] = torch.cat([self.values[layer], values], dim=2)
+
+    def keep_last(self, layer: int, count: int) -> None:
+        first = max(self.keys[layer].shape[2] - count, 0)
+        self.keys[layer], self.values[layer] = self.keys[layer][:, :, first:], self.values[layer][:, :, first:]
 
 
 class SelfConditioning(GeGLU):
@@ -106,10 +111,12 @@ def soft_cap(logits: Tensor, cap: float | None) -> Tensor:
     return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
-def encoder_mask(start: int, length: int, sliding_window: int | None, device: torch.device) -> Tensor:
-    """[T, start + T] True where query start + i may see key j: causal, and within the window."""
+def encoder_mask(start: int, length: int, sliding_window: int | None, device: torch.device,
+                 first_key: int = 0) -> Tensor:
+    """[T, S] True where query start + i may see the key at position first_key + j (the keys held
+    run from `first_key` to start + T - 1): causal, and within the window."""
     query = torch.arange(start, start + length, device=device)[:, None]
-    key = torch.arange(start + length, device=device)[None, :]
+    key = torch.arange(first_key, start + length, device=device)[None, :]
     allowed = key <= query
     return allowed & (key > query - sliding_window) if sliding_window is not None else allowed
 
@@ -152,8 +159,12 @@ class DiffusionGemma(nn.Module):
             cos, sin = self._rotary(index, positions, x.dtype)
             q, k, v = layer.self_attn.project(layer.input_layernorm(x), cos, sin)
             cache.append(index, k, v)
-            mask = encoder_mask(start, length, self.config.sliding_window if sliding else None, ids.device)
+            held = cache.keys[index].shape[2]
+            mask = encoder_mask(start, length, self.config.sliding_window if sliding else None, ids.device,
+                                first_key=start + length - held)
             out = layer.self_attn.attend(q, cache.keys[index], cache.values[index], mask)
+            if sliding:
+                cache.keep_last(index, self.config.sliding_window - 1)
             x = layer.feed_forward(x, out, layer.encoder_layer_scalar)
         cache.length += length
         return self.norm(x)
