@@ -406,13 +406,14 @@ def test_completion_record(codec):
     prompt = prompts_of([7], seed=9)[0]
     model = Wrapped(diffusion_model(codec, seed=9), codec.end_id, end_from=len(prompt) + 5)
     [c] = DiffusionEngine(model, codec, DiffusionOptions(block=4)).generate([request(prompt, max_tokens=12)])
-    assert c.engine == "diffusion" and c.prompt_tokens == 7 and c.completion_tokens == 5
+    assert c.engine == "diffusion" and c.prompt_tokens == 7 and len(c.token_ids) == 5
+    assert c.completion_tokens == 6  # the five answer tokens and the end token the model generated
     assert c.text == codec.decode(c.token_ids) and c.finish_reason == "stop"
     assert len(c.token_confidences) == 5 and all(0 < p <= 1 for p in c.token_confidences)
     # The minimum over the answer's tokens and the end token that closes it.
     assert 0 < c.confidence <= min(c.token_confidences)
     assert c.confidence_kind == "min_token_probability"
-    assert c.tokens_per_forward == pytest.approx(5 / c.forwards)
+    assert c.tokens_per_forward == pytest.approx(6 / c.forwards)
     t = c.timings
     assert 0 <= t.queued_s <= t.first_token_s <= t.total_s
 

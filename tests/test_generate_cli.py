@@ -40,17 +40,18 @@ def test_generate_json_is_greedy_ar_under_the_chat_template(checkpoints):
                                       tokenize=False)
     ids = torch.tensor([theirs(text, add_special_tokens=False)["input_ids"]])
     assert record["prompt_tokens"] == ids.shape[1]
-    expected = []
+    expected, ended = [], False
     with torch.no_grad():
         for _ in range(6):
             token = int(causal_logits(reference, ids)[0, -1].argmax())
             if token in (1, 4):  # the checkpoint's end ids: <|end_of_text|>, <|eot_id|>
+                ended = True
                 break
             expected.append(token)
             ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
     assert record["token_ids"] == expected  # generated ids only, no prompt, no end token
     assert record["text"] == theirs.decode(expected, skip_special_tokens=True)
-    assert record["completion_tokens"] == len(expected)
+    assert record["completion_tokens"] == len(expected) + ended  # the end token counts when generated
 
 
 def test_generate_reads_the_engine_from_the_checkpoint_and_takes_an_override(checkpoints):

@@ -99,10 +99,17 @@ class Completion:
     # schema template tokenized its fixed pieces and its values apart (about 15% more ids), and
     # usage, tokens/s and $/Mtok must count what an AR engine would have written.
     text_tokens: int | None = None
+    # True when the model generated an end token that ended the answer. `token_ids` and `text`
+    # leave it out, but it cost a forward like any other token.
+    ended_by_end_token: bool = False
 
     @property
     def completion_tokens(self) -> int:
-        return len(self.token_ids) if self.text_tokens is None else self.text_tokens
+        """The generated tokens, the end token included when the model generated one (as vLLM and
+        llama.cpp count them; docs/gateway.md, "Token counts"): a stop string's, a grammar's or a
+        length limit's end has none."""
+        written = len(self.token_ids) if self.text_tokens is None else self.text_tokens
+        return written + int(self.ended_by_end_token)
 
     @property
     def tokens_per_forward(self) -> float:

@@ -158,6 +158,7 @@ class Sequence:
             draft_tokens_proposed=self.draft_proposed,
             draft_tokens_accepted=self.draft_accepted,
             draft_forwards=self.draft_forwards,
+            ended_by_end_token=self.stop_confidence is not None,
             timings=Timings(queued_s=admitted - arrival, first_token_s=first - arrival, total_s=finish - arrival,
                             grammar_mask_s=self.grammar_mask_s),
         )

@@ -398,6 +398,8 @@ class RowState:
             token_confidences=token_confidences, confidence=min(deciding, default=1.0),
             confidence_kind="min_token_probability", forwards=self.forwards,
             text_tokens=None if template is None else len(codec.encode(text)),
+            # A template ends where its last piece does, as a grammar ends an AR answer: no end token.
+            ended_by_end_token=template is None and end is not None,
             timings=Timings(queued_s=self.admitted_at - arrival, first_token_s=self.first_text_at - arrival,
                             total_s=self.finished_at - arrival),
         )
