@@ -30,6 +30,7 @@ from nowait.gateway.domain import Backend
 from nowait.gateway.engines import build_backends
 from nowait.gateway.errors import APIError, install_error_handlers
 from nowait.gateway.middleware import ApiKeyMiddleware, BodyLimitMiddleware, TenantLimitMiddleware
+from nowait.gateway.openapi import install_openapi
 from nowait.gateway.routes import admin, batch_api, dashboard, generation, responses, status, vllm_compat
 from nowait.gateway.service import Gateway, gateway_started
 
@@ -75,4 +76,5 @@ def create_app(config: GatewayConfig, backends: dict[str, Backend] | None = None
                        authenticator=lambda: getattr(gateway_started(app), "authenticator", None))
     for routes in (status, generation, batch_api, responses, vllm_compat, dashboard, admin):
         app.include_router(routes.router)
+    install_openapi(app)
     return app

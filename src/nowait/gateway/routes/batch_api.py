@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Literal, TypeVar
 
-from fastapi import APIRouter, File, Form, Request, UploadFile
+from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import Response
 
 from nowait.gateway.batches import BATCH_ENDPOINTS, COMPLETION_WINDOWS, BatchOwner
@@ -26,6 +26,12 @@ from nowait.gateway.tenants import caller_in
 T = TypeVar("T")
 
 FILE_PURPOSES = ("batch", "batch_output", "user_data", "assistants", "fine-tune", "vision")
+FilePurpose = Literal["batch", "batch_output", "user_data", "assistants", "fine-tune", "vision"]
+# OpenAI's bounds for the list pages; an unbounded `limit` reached SQLite as an integer it
+# cannot hold (OverflowError, a 500). Ids are short: a longer `after` cannot name an object.
+MAX_FILES_PAGE = 10000
+MAX_BATCHES_PAGE = 100
+MAX_ID_CHARS = 64
 
 router = APIRouter()
 
@@ -56,7 +62,9 @@ async def existing_batch(request: Request, batch_id: str) -> Batch:
 # --- files ---
 
 @router.post("/v1/files")
-async def upload_file(request: Request, file: UploadFile = File(...), purpose: str = Form(...)) -> dict:
+async def upload_file(request: Request, file: UploadFile = File(...), purpose: FilePurpose = Form(...)) -> dict:
+    # The purposes are a Literal so the OpenAPI document lists them; the check below keeps the
+    # message naming them all.
     if purpose not in FILE_PURPOSES:
         raise bad_request(f"purpose must be one of {', '.join(FILE_PURPOSES)}, got {purpose!r}", param="purpose")
     content = await file.read()
@@ -67,7 +75,8 @@ async def upload_file(request: Request, file: UploadFile = File(...), purpose: s
 
 
 @router.get("/v1/files")
-async def list_files(request: Request, purpose: str | None = None, limit: int = 10000) -> dict:
+async def list_files(request: Request, purpose: str | None = Query(None, max_length=MAX_ID_CHARS),
+                     limit: int = Query(MAX_FILES_PAGE, ge=1, le=MAX_FILES_PAGE)) -> dict:
     files = await asyncio.to_thread(gateway_of(request).store.list_files, purpose, limit, tenant_of(request))
     return FileList(data=files).model_dump()
 
@@ -121,7 +130,8 @@ async def create_batch(body: BatchCreateRequest, request: Request) -> dict:
 
 
 @router.get("/v1/batches")
-async def list_batches(request: Request, limit: int = 20, after: str | None = None) -> dict:
+async def list_batches(request: Request, limit: int = Query(20, ge=1, le=MAX_BATCHES_PAGE),
+                       after: str | None = Query(None, max_length=MAX_ID_CHARS)) -> dict:
     store = gateway_of(request).store
     batches = await asyncio.to_thread(store.list_batches, limit + 1, after, tenant_of(request))
     page = batches[:limit]
