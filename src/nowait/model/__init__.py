@@ -9,6 +9,7 @@ over new tokens that reuses a prefix's keys/values (exact against `block_causal_
     kv_cache     KVCache
     attention    the attention patterns, their masks and kernels (ragged decode, isolated prefix)
     transformer  the layers and Transformer
+    diffusion_gemma, gemma_layers  DiffusionGemma, a block-diffusion LM of its own shape (Gemma 4 layers)
 """
 
 from nowait.model.attention import block_causal_mask
