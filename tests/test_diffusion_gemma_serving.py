@@ -70,6 +70,8 @@ def test_answers_follow_the_decode_and_the_confidence_is_the_least_sure_token(en
     assert completion.token_ids == decode.tokens
     assert completion.text == engine.codec.decode(decode.tokens)
     assert completion.forwards == decode.forwards
+    # The end token the model wrote counts as a completion token (one rule for every engine).
+    assert completion.completion_tokens == len(decode.tokens) + (decode.finish_reason == "stop")
     probabilities = [p for block in decode.blocks for p in block.probabilities.tolist()]
     deciding = probabilities[: len(decode.tokens) + (decode.finish_reason == "stop")]
     assert completion.confidence == pytest.approx(min(deciding))

@@ -136,4 +136,5 @@ class DiffusionGemmaEngine:
             text=self.codec.decode(decode.tokens), finish_reason=decode.finish_reason,
             prompt_tokens=len(request.prompt_ids), token_confidences=probabilities[: len(decode.tokens)],
             confidence=min(deciding, default=1.0), confidence_kind="min_token_probability",
-            forwards=decode.forwards, timings=Timings(first_token_s=now, total_s=now))
+            forwards=decode.forwards, timings=Timings(first_token_s=now, total_s=now),
+            ended_by_end_token=decode.finish_reason == "stop")
