@@ -69,6 +69,8 @@ class ServerConfig(Strict):
     torch_threads: int | None = Field(None, ge=1)
     max_request_bytes: int = Field(200 * 1024 * 1024, ge=1024, description="largest request body (a batch input "
                                                                            "file included); more gets 413")
+    max_concurrent_streams: int = Field(256, ge=1, description="server-sent event streams open at once; one more "
+                                                              "gets 429 too_many_streams")
 
 
 def _keys_from(listed: list[str], env: str | None) -> set[str]:
@@ -97,6 +99,9 @@ class BatchConfig(Strict):
     database: Path | None = Field(None, description="SQLite file of files and batches "
                                                     "(default DATA_DIR/batches.sqlite)")
     max_concurrent_lines: int = Field(32, ge=1, description="batch lines in flight at once")
+    # OpenAI's limits for a batch input file.
+    max_file_lines: int = Field(50_000, ge=1, description="requests in one batch input file; more gets 400")
+    max_file_bytes: int = Field(200 * 1024 * 1024, ge=1, description="bytes of one batch input file; more gets 400")
     data_class: DataClass | None = Field(None, description="for lines that state none (default: defaults.data_class)")
 
 

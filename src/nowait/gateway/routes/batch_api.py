@@ -18,6 +18,7 @@ from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import Response
 
 from nowait.gateway.batches import BATCH_ENDPOINTS, COMPLETION_WINDOWS, BatchOwner
+from nowait.gateway.config import BatchConfig
 from nowait.gateway.errors import APIError, bad_request
 from nowait.gateway.schemas import Batch, BatchCreateRequest, BatchList, FileDeleted, FileList, FileObject
 from nowait.gateway.service import gateway_of
@@ -61,6 +62,17 @@ async def existing_batch(request: Request, batch_id: str) -> Batch:
 
 # --- files ---
 
+def check_batch_file_size(content: bytes, limits: BatchConfig) -> None:
+    """OpenAI's bounds on a batch input file, checked when it is uploaded, before it is stored."""
+    if len(content) > limits.max_file_bytes:
+        raise bad_request(f"a batch input file may hold at most {limits.max_file_bytes} bytes; this one has "
+                          f"{len(content)} (batches.max_file_bytes)", param="file", code="batch_file_too_large")
+    lines = sum(1 for line in content.splitlines() if line.strip())
+    if lines > limits.max_file_lines:
+        raise bad_request(f"a batch input file may hold at most {limits.max_file_lines} requests; this one has "
+                          f"{lines} (batches.max_file_lines)", param="file", code="batch_file_too_many_lines")
+
+
 @router.post("/v1/files")
 async def upload_file(request: Request, file: UploadFile = File(...), purpose: FilePurpose = Form(...)) -> dict:
     # The purposes are a Literal so the OpenAPI document lists them; the check below keeps the
@@ -68,6 +80,8 @@ async def upload_file(request: Request, file: UploadFile = File(...), purpose: F
     if purpose not in FILE_PURPOSES:
         raise bad_request(f"purpose must be one of {', '.join(FILE_PURPOSES)}, got {purpose!r}", param="purpose")
     content = await file.read()
+    if purpose == "batch":
+        check_batch_file_size(content, gateway_of(request).config.batches)
     store = gateway_of(request).store
     created = await asyncio.to_thread(store.create_file, file.filename or "upload.jsonl", purpose, content,
                                       tenant=tenant_of(request))

@@ -20,6 +20,7 @@ from nowait.gateway.errors import APIError
 from nowait.gateway.responses import ROUTE_HEADER, SSE_DONE, ChunkWriter, chat_completion, sse, text_completion
 from nowait.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from nowait.gateway.service import Gateway, gateway_of
+from nowait.gateway.stream_slots import SlotStreamingResponse, StreamSlots
 
 log = logging.getLogger("nowait.gateway")
 T = TypeVar("T")
@@ -45,11 +46,24 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
             raise gone
 
 
+def stream_slots_of(request: Request) -> StreamSlots:
+    """The app's one StreamSlots, made on first use from the server's config."""
+    state = request.app.state
+    if getattr(state, "stream_slots", None) is None:
+        state.stream_slots = StreamSlots(gateway_of(request).config.server.max_concurrent_streams)
+    return state.stream_slots
+
+
 async def stream_response(request: Request, gateway: Gateway, call: Call, endpoint: str, response_id: str,
                           model: str, include_usage: bool) -> StreamingResponse:
     # Refusals are still HTTP errors here. A held stream (a fast attempt that may fall back)
     # runs to its end before the first byte: a client that hangs up meanwhile cancels it.
-    plan = await unless_disconnected(request, gateway.dispatcher.open_stream(call))
+    release = stream_slots_of(request).take()
+    try:
+        plan = await unless_disconnected(request, gateway.dispatcher.open_stream(call))
+    except BaseException:
+        release()
+        raise
     writer = ChunkWriter(endpoint, response_id, model, include_usage)
 
     async def events() -> AsyncIterator[str]:
@@ -67,12 +81,13 @@ async def stream_response(request: Request, gateway: Gateway, call: Call, endpoi
             log.exception("stream %s failed", response_id)
             yield sse(APIError(500, f"internal error ({type(error).__name__})", type="server_error").body())
         finally:
+            release()
             await plan.aclose()
         yield SSE_DONE
 
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={ROUTE_HEADER: plan.route, "cache-control": "no-cache",
-                                      "x-request-id": response_id})
+    return SlotStreamingResponse(events(), release=release, media_type="text/event-stream",
+                                 headers={ROUTE_HEADER: plan.route, "cache-control": "no-cache",
+                                          "x-request-id": response_id})
 
 
 async def answer(request: Request, body: ChatCompletionRequest | CompletionRequest, endpoint: str,
