@@ -74,7 +74,8 @@ EXTRA_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
     ("post", "/v1/responses"): (502, 504),
     ("post", "/v1/batches/{batch_id}/cancel"): (409,),
 }
-KEYLESS_PREFIXES = ("/healthz", "/readyz", "/metrics", "/health", "/ping", "/version", "/dashboard")
+KEYLESS_PREFIXES = ("/healthz", "/readyz", "/metrics", "/health", "/ping", "/version", "/dashboard", "/tokenize",
+                    "/detokenize")
 
 
 def _operation_ids(paths: dict[str, dict[str, Any]]) -> dict[tuple[str, str], str]:
