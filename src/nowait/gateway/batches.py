@@ -131,7 +131,12 @@ class BatchStore:
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
-            self._db.execute("COMMIT")
+            try:
+                self._db.execute("COMMIT")
+            except sqlite3.OperationalError:  # disk full or locked at commit: leave no open transaction
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
             return result
 
     def _query(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sqlite3
 from collections.abc import Callable
 
 from fastapi import FastAPI, Request
@@ -37,6 +38,15 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+STORE_RETRY_AFTER_S = 1
+
+
+def store_unavailable(why: str) -> APIError:
+    return APIError(503, f"the store cannot take this request now ({why}); nothing was accepted, retry in "
+                         f"{STORE_RETRY_AFTER_S} s", type="server_error", code="store_unavailable",
+                    headers={"Retry-After": str(STORE_RETRY_AFTER_S)})
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -117,6 +127,13 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[APIError], None] | 
         if exc.status_code == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}"
         return answer(APIError(exc.status_code, message, type=kind, headers=dict(exc.headers or {})))
+
+    @app.exception_handler(sqlite3.OperationalError)
+    async def _store_unavailable(request: Request, exc: sqlite3.OperationalError) -> JSONResponse:
+        # Locked by another writer, disk full, an I/O error: the transaction was rolled back, so
+        # nothing was accepted; the client may retry the same request.
+        log.warning("store unavailable on %s %s: %s", request.method, request.url.path, exc)
+        return answer(store_unavailable(str(exc)))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
