@@ -97,6 +97,9 @@ class EngineWorker:
         self._inbox: deque[Ticket] = deque()
         self._wake = threading.Event()
         self._stopping = False
+        # Steps that raised, and the last one's error, for /readyz: the thread keeps serving.
+        self.failures = 0
+        self.last_failure: str | None = None
         self._thread = threading.Thread(target=self._loop, name=f"nowait-engine-{name}", daemon=True)
 
     def start(self) -> None:
@@ -127,6 +130,8 @@ class EngineWorker:
                 busy = self._advance()
             except Exception as error:  # a bug must not leave clients waiting forever
                 log.exception("engine %s failed; failing its requests", self.name)
+                self.failures += 1
+                self.last_failure = f"{type(error).__name__}: {error}"
                 self._fail_everything(APIError(500, f"engine {self.name!r} failed: {error}", type="server_error",
                                                code="engine_error"))
                 busy = False

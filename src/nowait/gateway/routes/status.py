@@ -25,6 +25,10 @@ async def readyz(request: Request) -> JSONResponse:
     gateway = gateway_of(request)
     engines = {name: {"kind": b.kind, "available": b.available, "reason": b.unavailable_reason or None,
                       "running": b.running(), "waiting": b.waiting()} for name, b in gateway.backends.items()}
+    for name, backend in gateway.backends.items():
+        worker = getattr(backend, "worker", None)  # owned engines: steps that raised, and the last error
+        if worker is not None:
+            engines[name].update(failures=worker.failures, last_failure=worker.last_failure)
     ready = gateway.ready()
     routing = {"confidence_threshold": gateway.policy.confidence_threshold,
                "confidence_threshold_source": gateway.threshold_source,
