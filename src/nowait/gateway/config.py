@@ -71,6 +71,8 @@ class ServerConfig(Strict):
                                                                            "file included); more gets 413")
     max_concurrent_streams: int = Field(256, ge=1, description="server-sent event streams open at once; one more "
                                                               "gets 429 too_many_streams")
+    stream_stall_timeout_s: float = Field(30.0, gt=0, description="a stream whose client reads nothing this long "
+                                                                  "is dropped (its engine work cancelled)")
 
 
 def _keys_from(listed: list[str], env: str | None) -> set[str]:

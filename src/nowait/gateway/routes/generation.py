@@ -86,6 +86,7 @@ async def stream_response(request: Request, gateway: Gateway, call: Call, endpoi
         yield SSE_DONE
 
     return SlotStreamingResponse(events(), release=release, media_type="text/event-stream",
+                                 stall_timeout_s=gateway.config.server.stream_stall_timeout_s,
                                  headers={ROUTE_HEADER: plan.route, "cache-control": "no-cache",
                                           "x-request-id": response_id})
 
