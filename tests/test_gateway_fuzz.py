@@ -64,6 +64,7 @@ def test_every_operation_answers_as_documented(api_schema):
             answers_as_documented()
         except (Exception, FailureGroup) as failure:  # every operation's failure is reported together
             failures[operation.label] = str(failure)[:2000]
+    print(f"schemathesis: {len(sent)} generated cases over {operations} operations, {len(failures)} failing")
     assert operations >= 25 and len(set(sent)) == operations  # every operation was called
     assert not failures, "\n\n".join(f"{label}: {text}" for label, text in failures.items())
 
