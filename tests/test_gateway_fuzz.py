@@ -82,6 +82,7 @@ def test_files_batches_and_output_files_follow_their_links(api_schema):
             case.validate_response(response, checks=CHECKS)
 
     WithKey.run(settings=settings(max_examples=STATEFUL_EXAMPLES, stateful_step_count=6, **FUZZ_SETTINGS))
+    print(f"schemathesis stateful: {len(answered)} calls in {STATEFUL_EXAMPLES} scenarios")
     # A batch is only created from a real file id, which only the upload's link supplies; its
     # id reaches the batch operations only through the batch's links.
     assert ("POST /v1/batches", 200) in answered, sorted(set(answered))[:60]
