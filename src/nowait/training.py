@@ -316,14 +316,21 @@ def batch_stream(settings: TrainSettings, tokenizer_path: Path, start_index: int
         return
     # spawn, not fork: the parent may already hold a CUDA context, which a fork cannot share.
     context = multiprocessing.get_context("spawn")
-    with context.Pool(settings.data_workers, _start_worker, (settings, tokenizer_path)) as workers:
-        in_flight: deque = deque()
+    workers = context.Pool(settings.data_workers, _start_worker, (settings, tokenizer_path))
+    in_flight: deque = deque()
+    try:
         while True:
             while len(in_flight) < 2 * settings.data_workers:
                 start = next(starts)
                 in_flight.append((start, workers.apply_async(_worker_pool, (start,))))
             start, result = in_flight.popleft()
             yield from ((batch, start + size) for batch in result.get())
+    finally:
+        # close + join, not terminate: terminating a pool while pools are still in flight races its
+        # result thread (CPython's "Cannot have cache with result_hander not alive"); the few in
+        # flight are finished and dropped.
+        workers.close()
+        workers.join()
 
 
 def to_device(batch: tuple, device: str | torch.device) -> tuple:
