@@ -2,7 +2,7 @@
 `code` and HTTP status (not only its message): `schema_unsupported` and its 400 without a
 fallback engine, `invalid_output` for a json_schema, a remote engine without its key (503) or at
 its `max_concurrency` (429), failover when an upstream refuses connections or times out,
-`/readyz` 503, `file_not_found`, every `unsupported_parameter` refusal, and batch lines that
+`/readyz` 503, an unknown file or batch's 404 `not_found`, every `unsupported_parameter` refusal, and batch lines that
 wait out a 429.
 
 The upstreams are real HTTP servers on loopback: a scripted app mounted in the gateway's own
@@ -257,15 +257,18 @@ def test_readyz_is_503_when_the_batch_engine_cannot_serve(tmp_path):
                  "engine_unavailable", "server_error")
 
 
-def test_an_unknown_file_is_404_file_not_found(server):
+def test_an_unknown_file_or_batch_is_404_not_found(server):
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    for method, path in (("GET", "/v1/files/file-nope"), ("GET", "/v1/files/file-nope/content"),
-                         ("DELETE", "/v1/files/file-nope")):
+    for method, path, param in (("GET", "/v1/files/file-nope", "file_id"),
+                                ("GET", "/v1/files/file-nope/content", "file_id"),
+                                ("DELETE", "/v1/files/file-nope", "file_id"),
+                                ("GET", "/v1/batches/batch_nope", "batch_id"),
+                                ("POST", "/v1/batches/batch_nope/cancel", "batch_id")):
         response = httpx.request(method, f"{server.base_url}{path}", headers=headers)
-        assert error_of(response, 404, "file_not_found", "invalid_request_error")["param"] == "file_id"
+        assert error_of(response, 404, "not_found", "invalid_request_error")["param"] == param, (method, path)
     with pytest.raises(openai.NotFoundError) as error:
         server.client().files.retrieve("file-nope")
-    assert error.value.body["code"] == "file_not_found"
+    assert error.value.body["code"] == "not_found"
 
 
 CHAT = {"model": "ar", "messages": MESSAGES, "max_tokens": 2}

@@ -1,5 +1,5 @@
 """Files and batches belong to their tenant: on every files and batches endpoint another tenant's
-id answers exactly as an id that does not exist (404, never 403), lists are disjoint, a batch
+id answers exactly as an id that does not exist (404 `not_found`, never 403), lists are disjoint, a batch
 names only its caller's input file, output and error files are the batch's tenant's, and batch
 lines run with the batch's key's scopes. A store from before tenants opens with its objects in
 the tenant `default`."""
@@ -72,7 +72,7 @@ def test_another_tenants_files_and_batches_answer_as_missing_ones(server, teams)
         theirs = httpx.request(method, url + path.format(f=file_a.id, b=batch_a.id), headers=hb, timeout=30)
         absent = httpx.request(method, url + path.format(f=missing_file, b=missing_batch), headers=hb, timeout=30)
         assert theirs.status_code == 404, (method, path, theirs.text)
-        assert error_of(theirs) == error_of(absent)
+        assert error_of(theirs) == error_of(absent) == (404, "invalid_request_error", "not_found")
         assert theirs.json()["error"]["message"].replace(file_a.id, "ID").replace(batch_a.id, "ID") == \
             absent.json()["error"]["message"].replace(missing_file, "ID").replace(missing_batch, "ID")
 

@@ -58,7 +58,8 @@ ERROR_MEANINGS = {
     400: "invalid request (bad JSON, a field out of range, an unsupported option)",
     401: "missing or unknown API key",
     403: "the key may not use this model, or the data class forbids the destination",
-    404: "no such model, file, batch or route",
+    404: "no such model (model_not_found), route, or file or batch for this tenant (not_found: another "
+         "tenant's id answers the same)",
     409: "the batch cannot be cancelled in its state",
     413: "the request body is larger than server.max_request_bytes",
     429: "a rate limit, a daily budget or an engine's queue is full (Retry-After says when to retry)",

@@ -41,23 +41,26 @@ def tenant_of(request: Request) -> str:
     return caller_in(request.scope).tenant
 
 
-async def stored(lookup: Callable[[str, str], T | None], object_id: str, tenant: str, what: str, param: str,
-                 code: str) -> T:
-    """The caller's stored object `lookup` finds, or the 404 OpenAI answers for a missing one."""
+def not_found(what: str, object_id: str, param: str) -> APIError:
+    """The one 404 for an id the caller cannot see: unknown and another tenant's read the same,
+    code `not_found` for files and batches alike, so the answer never confirms that it exists."""
+    return APIError(404, f"No such {what} object: {object_id}", param=param, code="not_found")
+
+
+async def stored(lookup: Callable[[str, str], T | None], object_id: str, tenant: str, what: str, param: str) -> T:
+    """The caller's stored object `lookup` finds, or the 404 for an id it cannot see."""
     found = await asyncio.to_thread(lookup, object_id, tenant)
     if found is None:
-        raise APIError(404, f"No such {what} object: {object_id}", param=param, code=code)
+        raise not_found(what, object_id, param)
     return found
 
 
 async def existing_file(request: Request, file_id: str) -> FileObject:
-    return await stored(gateway_of(request).store.get_file, file_id, tenant_of(request), "File", "file_id",
-                        "file_not_found")
+    return await stored(gateway_of(request).store.get_file, file_id, tenant_of(request), "File", "file_id")
 
 
 async def existing_batch(request: Request, batch_id: str) -> Batch:
-    return await stored(gateway_of(request).store.get_batch, batch_id, tenant_of(request), "Batch", "batch_id",
-                        "batch_not_found")
+    return await stored(gateway_of(request).store.get_batch, batch_id, tenant_of(request), "Batch", "batch_id")
 
 
 # --- files ---
@@ -105,7 +108,7 @@ async def file_content(file_id: str, request: Request) -> Response:
     await existing_file(request, file_id)
     content = await asyncio.to_thread(gateway_of(request).store.file_content, file_id, tenant_of(request))
     if content is None:  # deleted meanwhile
-        raise APIError(404, f"No such File object: {file_id}", param="file_id", code="file_not_found")
+        raise not_found("File", file_id, "file_id")
     return Response(content, media_type="application/jsonl")
 
 
