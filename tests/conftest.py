@@ -62,3 +62,26 @@ def swapped_codec(codec: TextCodec) -> TextCodec:
     first, second = sorted(vocab, key=vocab.get)[-2:]  # the last two merges: no special token
     vocab[first], vocab[second] = vocab[second], vocab[first]
     return TextCodec(Tokenizer.from_str(json.dumps(data)))
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """One private PostgreSQL server for the session (fails, never skips, when PostgreSQL is missing)."""
+    from nowait.store.scratch_postgres import PostgresNotFound, ScratchPostgres
+
+    try:
+        server = ScratchPostgres().start()
+    except PostgresNotFound as error:
+        pytest.fail(f"the PostgreSQL store's tests need a PostgreSQL server: {error}", pytrace=False)
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def postgres_url(postgres_server, request) -> str:
+    """A fresh, empty database on the session's PostgreSQL server, for one test."""
+    import re
+    import uuid
+
+    name = re.sub(r"[^a-z0-9_]", "_", request.node.name.lower())[:40] + "_" + uuid.uuid4().hex[:8]
+    return postgres_server.create_database(name)
