@@ -33,6 +33,7 @@ from nowait.gateway.middleware import ApiKeyMiddleware, BodyLimitMiddleware, Ten
 from nowait.gateway.openapi import install_openapi
 from nowait.gateway.routes import admin, batch_api, dashboard, generation, responses, status, vllm_compat
 from nowait.gateway.service import Gateway, gateway_started
+from nowait.gateway.tenants import Caller
 
 log = logging.getLogger("nowait.gateway")
 
@@ -69,9 +70,15 @@ def create_app(config: GatewayConfig, backends: dict[str, Backend] | None = None
         if gateway is not None:
             gateway.metrics.observe_error(error.status, error.code)
 
+    def count_tenant_refusal(error: APIError, caller: Caller, path: str) -> None:
+        gateway = getattr(app.state, "gateway", None)
+        if gateway is not None:
+            gateway.dispatcher.refused(caller, path, error)
+
     install_error_handlers(app, count_error)
     app.add_middleware(BodyLimitMiddleware, limit=config.server.max_request_bytes, on_refusal=count_error)
-    app.add_middleware(TenantLimitMiddleware, limits=lambda: app.state.gateway.limits, on_refusal=count_error)
+    app.add_middleware(TenantLimitMiddleware, limits=lambda: app.state.gateway.limits,
+                       on_refusal=count_tenant_refusal)
     app.add_middleware(ApiKeyMiddleware, on_refusal=count_error,  # outermost: keys first
                        authenticator=lambda: getattr(gateway_started(app), "authenticator", None))
     for routes in (status, generation, batch_api, responses, vllm_compat, dashboard, admin):

@@ -2,7 +2,7 @@
 limits.py) and the request body limit (413).
 
 All run before a body is read, and all report each refusal (`on_refusal`) so the metrics
-count it like any other error answered.
+count it like any other error answered (a limit's refusal, whose caller is known, is also audited).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from contextlib import suppress
 from nowait.gateway.auth import Authenticator, needs_key
 from nowait.gateway.errors import APIError
 from nowait.gateway.limits import TenantLimits
-from nowait.gateway.tenants import caller_in, set_caller
+from nowait.gateway.tenants import Caller, caller_in, set_caller
 
 
 class ApiKeyMiddleware:
@@ -58,9 +58,11 @@ def counts_against_limits(method: str, path: str) -> bool:
 class TenantLimitMiddleware:
     """429 for a model request whose key is over its rate limits or its tenant's budget
     (limits.py), before the body is read; the `x-ratelimit-*` headers on every /v1 answer to a
-    limited key. Runs inside the API-key layer, which names the caller."""
+    limited key. Runs inside the API-key layer, which names the caller. Each refusal goes to
+    `on_refusal(error, caller, path)`: it is audited and counted for the caller's tenant."""
 
-    def __init__(self, app, limits: Callable[[], TenantLimits], on_refusal=None) -> None:
+    def __init__(self, app, limits: Callable[[], TenantLimits],
+                 on_refusal: Callable[[APIError, Caller, str], None] | None = None) -> None:
         self.app, self.limits, self.on_refusal = app, limits, on_refusal
 
     async def __call__(self, scope, receive, send) -> None:
@@ -74,7 +76,7 @@ class TenantLimitMiddleware:
                 limits.admit(caller)
             except APIError as error:
                 if self.on_refusal is not None:
-                    self.on_refusal(error)
+                    self.on_refusal(error, caller, scope["path"])
                 await error.response()(scope, receive, send)
                 return
 

@@ -126,7 +126,11 @@ class Gateway:
         try:
             caller = await asyncio.to_thread(self.batch_caller, owner)
             CURRENT_CALLER.set(caller)  # this line's task only: the Calls below take it
-            self.limits.admit(caller)
+            try:
+                self.limits.admit(caller)
+            except APIError as error:  # audited and counted as the HTTP path's refusal is
+                self.dispatcher.refused(caller, endpoint, error, request_id)
+                raise
             if endpoint == "/v1/chat/completions":
                 chat = ChatCompletionRequest.model_validate(body)
                 if chat.stream:
