@@ -9,8 +9,10 @@ from nowait.bench import batching, cache_modes, engines, physics  # noqa: F401 (
 from nowait.bench.app import bench_app
 from nowait.bench.gateway import register as register_gateway_bench
 from nowait.bench.load import register as register_load_bench
+from nowait.bench.soak import register as register_soak_bench
 
 register_gateway_bench(bench_app)
 register_load_bench(bench_app)
+register_soak_bench(bench_app)
 
 __all__ = ["bench_app"]

@@ -214,6 +214,14 @@ async def stream_chat(client: httpx.AsyncClient, base_url: str, request: LoadReq
     return record
 
 
+class BatchRefused(TargetError):
+    """The Batch API answered with an error status (kept, for callers that count them)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 CANCEL_GRACE_S = 30.0  # after cancelling a batch, how long its running lines are waited for
 
 
@@ -225,7 +233,8 @@ class BatchClient:
 
     async def _check(self, response: httpx.Response, what: str) -> dict:
         if response.status_code != 200:
-            raise TargetError(f"{what} failed (HTTP {response.status_code}: {error_message(response)})")
+            raise BatchRefused(f"{what} failed (HTTP {response.status_code}: {error_message(response)})",
+                               response.status_code)
         return response.json()
 
     async def submit(self, lines: list[dict], metadata: dict[str, str] | None = None) -> dict:
@@ -273,9 +282,10 @@ class BatchClient:
             on_poll(batch)
         return batch
 
-    async def results(self, batch: dict) -> dict[str, tuple[int, dict | None, str | None]]:
-        """custom_id -> (status code, response body, error message) over the output and error files."""
-        out: dict[str, tuple[int, dict | None, str | None]] = {}
+    async def entries(self, batch: dict) -> list[dict]:
+        """Every line of the batch's output and error files, as written (a line answered twice
+        shows twice)."""
+        out: list[dict] = []
         for key in ("output_file_id", "error_file_id"):
             file_id = batch.get(key)
             if not file_id:
@@ -283,14 +293,17 @@ class BatchClient:
             response = await self.client.get(f"{self.base_url}/files/{file_id}/content", timeout=60.0)
             if response.status_code != 200:
                 raise TargetError(f"downloading {file_id} failed (HTTP {response.status_code})")
-            for line in response.text.splitlines():
-                if not line.strip():
-                    continue
-                entry = json.loads(line)
-                answer = entry.get("response") or {}
-                body = answer.get("body")
-                status = int(answer.get("status_code") or 0)
-                error = (entry.get("error") or {}).get("message") or (
-                    (body or {}).get("error", {}).get("message") if status != 200 else None)
-                out[entry["custom_id"]] = (status, body if status == 200 else None, error)
+            out.extend(json.loads(line) for line in response.text.splitlines() if line.strip())
+        return out
+
+    async def results(self, batch: dict) -> dict[str, tuple[int, dict | None, str | None]]:
+        """custom_id -> (status code, response body, error message) over the output and error files."""
+        out: dict[str, tuple[int, dict | None, str | None]] = {}
+        for entry in await self.entries(batch):
+            answer = entry.get("response") or {}
+            body = answer.get("body")
+            status = int(answer.get("status_code") or 0)
+            error = (entry.get("error") or {}).get("message") or (
+                (body or {}).get("error", {}).get("message") if status != 200 else None)
+            out[entry["custom_id"]] = (status, body if status == 200 else None, error)
         return out
