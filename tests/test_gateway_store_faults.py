@@ -70,7 +70,7 @@ def test_a_full_disk_at_commit_is_503_accepts_nothing_and_the_store_serves_again
     file_id = upload(server, "input.jsonl").json()["id"]
     body = {"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"}
     store = server.gateway.store
-    monkeypatch.setattr(store, "_db", DiskFullAtCommit(store._db))
+    monkeypatch.setattr(store.db, "_db", DiskFullAtCommit(store.db._db))
     assert_store_unavailable(httpx.post(f"{server.base_url}/v1/batches", json=body, headers=AUTH))
     monkeypatch.undo()
     assert httpx.get(f"{server.base_url}/v1/batches", headers=AUTH).json()["data"] == []

@@ -9,6 +9,7 @@ examples/nowait.yaml is a full example.
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from nowait.engines.config import (
     Strict,
 )
 from nowait.router import DEFAULT_CONFIDENCE_THRESHOLD, DataClass, RemoteEngine, RoutingPolicy
+from nowait.store.url import StoreError, StoreURL, parse_store_url
 
 
 class ConfigError(ValueError):
@@ -97,6 +99,26 @@ class AuthConfig(Strict):
         return _keys_from(self.admin_keys, self.admin_keys_env)
 
 
+class StoreConfig(Strict):
+    url: str | None = Field(None, description="sqlite:///PATH (the default: DATA_DIR/batches.sqlite, keys.sqlite and "
+                                              "audit.jsonl beside it) or postgresql://USER:PASSWORD@HOST/DB: files, "
+                                              "batches, keys and audit in one database that several replicas share")
+    replica: str | None = Field(None, description="this replica's name in batch leases and its audit chain "
+                                                  "(default HOST:PORT)")
+    lease_s: float = Field(30.0, gt=0, description="how long a batch line a replica claimed stays its own without "
+                                                   "renewal (a killed replica's lines run elsewhere after it)")
+    pool_size: int = Field(10, ge=1, description="PostgreSQL connections this replica keeps at most")
+
+    @model_validator(mode="after")
+    def _url_parses(self) -> StoreConfig:
+        if self.url is not None:
+            try:
+                parse_store_url(self.url)
+            except StoreError as error:
+                raise ValueError(str(error)) from None
+        return self
+
+
 class BatchConfig(Strict):
     database: Path | None = Field(None, description="SQLite file of files and batches "
                                                     "(default DATA_DIR/batches.sqlite)")
@@ -125,6 +147,7 @@ class GatewayConfig(Strict):
     routing: RoutingConfig = RoutingConfig()
     defaults: RequestDefaults = RequestDefaults()
     batches: BatchConfig = BatchConfig()
+    store: StoreConfig = StoreConfig()
 
     @model_validator(mode="after")
     def _names_resolve(self) -> GatewayConfig:
@@ -185,7 +208,23 @@ class GatewayConfig(Strict):
                              remote_frontier_engines=tuple(remotes[n] for n in frontier))
 
     @property
+    def store_url(self) -> StoreURL:
+        """The store this gateway uses: `store.url`, else SQLite at the batch database's path."""
+        if self.store.url is not None:
+            return parse_store_url(self.store.url)
+        return StoreURL("sqlite", f"sqlite:///{self.batch_database}", self.batch_database)
+
+    @property
+    def replica_name(self) -> str:
+        return self.store.replica or f"{socket.gethostname()}:{self.server.port}"
+
+    @property
     def batch_database(self) -> Path:
+        """The SQLite file of files and batches (with a SQLite `store.url`, its path)."""
+        if self.store.url is not None:
+            url = parse_store_url(self.store.url)
+            if url.path is not None:
+                return url.path
         return self.batches.database or self.data_dir / "batches.sqlite"
 
     @property
@@ -243,8 +282,12 @@ def _resolve_paths(config: GatewayConfig, base: Path) -> GatewayConfig:
         engines[name] = engine.model_copy(update=update)
     batches = config.batches.model_copy(update={"database": resolve(config.batches.database)})
     auth = config.auth.model_copy(update={"database": resolve(config.auth.database)})
+    store = config.store
+    if store.url is not None and (url := parse_store_url(store.url)).path is not None:
+        store = store.model_copy(update={"url": f"sqlite:///{resolve(url.path)}"})
     return config.model_copy(update={"engines": engines, "data_dir": resolve(config.data_dir),
-                                     "audit_log": resolve(config.audit_log), "batches": batches, "auth": auth})
+                                     "audit_log": resolve(config.audit_log), "batches": batches, "auth": auth,
+                                     "store": store})
 
 
 def parse_config(data: Any, source: str = "config", base: Path | None = None) -> GatewayConfig:

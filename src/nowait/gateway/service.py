@@ -16,19 +16,18 @@ from fastapi import FastAPI, Request
 from pydantic import ValidationError
 
 from nowait.gateway.auth import Authenticator, unauthorized
-from nowait.gateway.batches import DEFAULT_OWNER, BatchOwner, BatchRunner, BatchStore
+from nowait.gateway.batches import DEFAULT_OWNER, BatchOwner, BatchRunner
 from nowait.gateway.calls import chat_calls, completion_calls, prompts_of
 from nowait.gateway.config import GatewayConfig
 from nowait.gateway.dispatch import Outcome
 from nowait.gateway.domain import Backend, Call
 from nowait.gateway.errors import APIError, bad_request
-from nowait.gateway.keys import open_key_store
-from nowait.gateway.ledger import AuditLog
 from nowait.gateway.limits import TenantLimits
 from nowait.gateway.metrics import GatewayMetrics
 from nowait.gateway.responses import chat_completion, text_completion
 from nowait.gateway.schemas import ChatCompletionRequest, CompletionRequest
-from nowait.gateway.spend_restore import spent_since, start_of_utc_day
+from nowait.gateway.spend_restore import start_of_utc_day
+from nowait.gateway.stores import open_stores
 from nowait.gateway.tenant_dispatch import TenantDispatcher
 from nowait.gateway.tenants import CURRENT_CALLER, Caller
 from nowait.router import restrict_to_available
@@ -50,13 +49,15 @@ class Gateway:
             log.warning("fast engine %r is not available: latency-bound requests go to %r",
                         config.routing.fast_engine, self.policy.batch_engine)
         self.metrics = GatewayMetrics()
-        self.audit = AuditLog(config.audit_log_path)
+        self.stores = open_stores(config)
+        self.audit = self.stores.audit
         self.limits = TenantLimits()
         self.dispatcher = TenantDispatcher(backends, self.policy, config.server.router_model, self.metrics,
                                            self.audit, config.server.request_timeout_s, limits=self.limits)
-        self.store = BatchStore(config.batch_database)
-        self.runner = BatchRunner(self.store, self.execute, config.batches.max_concurrent_lines)
-        self.keys = open_key_store(config.key_database)
+        self.store = self.stores.batches
+        self.runner = BatchRunner(self.store, self.execute, config.batches.max_concurrent_lines,
+                                  replica=config.replica_name, lease_s=config.store.lease_s)
+        self.keys = self.stores.keys
         self.authenticator = Authenticator(config.auth.keys(), config.auth.admin(), self.keys)
 
     def use_clock(self, clock: Callable[[], float]) -> None:
@@ -66,7 +67,7 @@ class Gateway:
     async def start(self) -> None:
         # Today's spend survives a restart: a tenant's budget is not renewed by one.
         since = start_of_utc_day(self.limits.clock())
-        self.limits.restore(await asyncio.to_thread(spent_since, self.config.audit_log_path, since))
+        self.limits.restore(await asyncio.to_thread(self.stores.spent_since, since))
         for backend in self.backends.values():
             await backend.start()
         await self.runner.start()
@@ -75,9 +76,7 @@ class Gateway:
         await self.runner.stop()
         for backend in self.backends.values():
             await backend.stop()
-        self.store.close()
-        self.keys.close()
-        self.audit.close()
+        self.stores.close()
 
     def ready(self) -> bool:
         batch = self.backends.get(self.policy.batch_engine)
