@@ -202,3 +202,31 @@ def test_a_server_without_keys_is_open_until_a_key_exists(tmp_path, codec):
         assert models_status(server, None).status_code == 401
         assert models_status(server, secret).status_code == 200
         assert httpx.get(f"{server.base_url}/admin/keys", timeout=30).status_code == 401  # no admin key exists
+
+
+def test_a_looked_up_key_is_reused_only_while_the_store_is_unchanged_and_at_most_a_second(tmp_path, monkeypatch):
+    import nowait.gateway.keys as keys
+
+    server_side = SqliteKeyStore(tmp_path / "keys.sqlite")
+    command_side = SqliteKeyStore(tmp_path / "keys.sqlite")  # another connection, as `nowait keys` opens
+    secret, record = server_side.create(KeySettings(tenant="teamCache"))
+    other, other_record = server_side.create(KeySettings(tenant="teamCache"))
+    assert server_side.find(secret) == record and server_side.find(other) == other_record
+    # A revoke by another connection holds from the next lookup, the cache notwithstanding.
+    command_side.revoke(record.id)
+    assert server_side.find(secret).revoked_at is not None
+    # One by this store too.
+    server_side.revoke(other_record.id)
+    assert server_side.find(other).revoked_at is not None
+
+    # Reused: a row removed behind the store's back (its own connection: no version change) is
+    # still found for up to FIND_CACHE_S, then read again.
+    fresh, fresh_record = server_side.create(KeySettings(tenant="teamCache"))
+    assert server_side.find(fresh) == fresh_record
+    server_side._db.execute("DELETE FROM api_keys WHERE id = ?", (fresh_record.id,))
+    assert server_side.find(fresh) == fresh_record
+    now = keys.time.monotonic()
+    monkeypatch.setattr(keys.time, "monotonic", lambda: now + keys.FIND_CACHE_S + 0.01)
+    assert server_side.find(fresh) is None
+    server_side.close()
+    command_side.close()

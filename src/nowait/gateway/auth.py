@@ -1,9 +1,9 @@
 """Who may call: an `Authorization: Bearer` key to the request's `Caller`, or a 401.
 
     /v1/*     a key of the store (`nw-...`, `nowait keys create`): its tenant and what it allows,
-              read from the store on every request, so a revoke or a change holds from the next
-              request on; a key of `auth.api_keys` / `NOWAIT_API_KEYS`: the tenant `default`,
-              without limits
+              looked up on every request (reused only while the store is unchanged,
+              keys.py), so a revoke or a change holds from the next request on; a key
+              of `auth.api_keys` / `NOWAIT_API_KEYS`: the tenant `default`, without limits
     /admin/*  an admin key (`auth.admin_keys` / `NOWAIT_ADMIN_KEYS`) and nothing else
 
 A server with no key anywhere (none configured, none in the store) is open, as the quick start

@@ -120,6 +120,15 @@ COLUMNS = ("id, tenant, created_at, expires_at, revoked_at, models, data_class_f
            "tokens_per_minute, budget_usd_per_day")
 
 
+# How long `find` may reuse a record it read: a key is looked up on every request, and reading
+# its row cost more than the rest of the keyed path together. The record is reused only while
+# the database is unchanged (SQLite's `data_version`, which moves when another connection, such
+# as `nowait keys revoke`, commits; this store's own revoke clears the cache), so a revoke still
+# holds from the next request; the age bound is a second guard.
+FIND_CACHE_S = 1.0
+FIND_CACHE_ENTRIES = 4096  # at most this many keys remembered (cleared whole beyond it)
+
+
 class SqliteKeyStore:
     """Key records in one SQLite file (WAL: a `nowait keys` command and the server share it)."""
 
@@ -132,6 +141,10 @@ class SqliteKeyStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(SCHEMA)
+        # secret's SHA-256 -> (monotonic time read, record), valid for `_version`: real time,
+        # never the injectable clock, which tests stop; only found keys (unknown secrets would fill it).
+        self._found: dict[str, tuple[float, KeyRecord]] = {}
+        self._version = -1
 
     def close(self) -> None:
         with self._lock:
@@ -177,10 +190,23 @@ class SqliteKeyStore:
     def find(self, secret: str) -> KeyRecord | None:
         """The record of a presented secret (revoked and expired ones included: the caller decides)."""
         digest = secret_hash(secret)
+        with self._lock:
+            version = self._db.execute("PRAGMA data_version").fetchone()[0]
+        if version != self._version:  # another connection wrote: what was read may be stale
+            self._found.clear()
+            self._version = version
+        cached = self._found.get(digest)
+        if cached is not None and time.monotonic() - cached[0] < FIND_CACHE_S:
+            return cached[1]
+        read_at = time.monotonic()
         rows = self._rows(f"SELECT {COLUMNS}, secret_sha256 FROM api_keys WHERE secret_sha256 = ?", (digest,))
         # The index lookup finds the row; the comparison that decides is constant-time.
         if rows and hmac.compare_digest(rows[0]["secret_sha256"], digest):
-            return self._record(rows[0])
+            record = self._record(rows[0])
+            if len(self._found) >= FIND_CACHE_ENTRIES:
+                self._found.clear()
+            self._found[digest] = (read_at, record)
+            return record
         return None
 
     def get(self, key_id: str) -> KeyRecord | None:
@@ -198,6 +224,7 @@ class SqliteKeyStore:
         """The key's record, revoked from now on (a key revoked before keeps its time)."""
         self._write("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
                     (int(self.clock()), key_id))
+        self._found.clear()  # honoured on the next request, not a second later
         return self.get(key_id)
 
     def any_keys(self) -> bool:
