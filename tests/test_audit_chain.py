@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 
 from nowait.gateway.audit import GENESIS, AuditLog, read_audit_log, verify_audit_log
+from nowait.gateway.audit.chain import hashed_line
 from tests.gateway_support import API_KEY, base_config, free_port, live_server, save_tiny_models
 
 
@@ -44,6 +45,27 @@ def test_a_line_is_its_canonical_json_and_its_hash_covers_every_other_field(tmp_
     assert entry["engines_tried"] == [{"engine": "ar"}] and entry["where"] == str(tmp_path)  # hashed as read back
     follower = json.loads(second)
     assert (follower["prev"], follower["seq"]) == (entry["hash"], 1)
+
+
+def test_the_line_written_in_one_pass_is_the_documented_one(tmp_path):
+    """`hashed_line` writes an entry once (the chain's per-request cost); its hash and line must be
+    exactly those of the rule: every other field hashed, the line canonical, read back alike."""
+    entries = [
+        {"a": 1, "z": [1.5, None, True], "has": "x", "hasha": {"k": "é"}, "seq": 0, "prev": GENESIS},
+        {"zzz": 1},  # nothing sorts before `hash`
+        {"aaa": 1},  # nothing after it
+        {},
+        {"t": (1, 2), "where": tmp_path, "n": {3: "int key"}},  # not plain: as JSON reads it back
+        {"client": "lone \ud800 surrogate", "nan": float("nan")},
+    ]
+    for entry in entries:
+        digest, line = hashed_line(entry)
+        read = json.loads(line)
+        assert line == json.dumps(read, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        without_hash = {k: v for k, v in read.items() if k != "hash"}
+        rule = json.dumps(without_hash, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        assert read["hash"] == digest == hashlib.sha256(rule).hexdigest(), entry
+        assert set(read) == {*map(str, entry), "hash"}
 
 
 def test_the_chain_continues_across_a_restart_of_the_writer(tmp_path):

@@ -22,7 +22,7 @@ from itertools import chain
 from pathlib import Path
 from typing import IO, Any
 
-from nowait.gateway.audit.chain import GENESIS, LOCAL_REPLICA, canonical, entry_hash, fragment_digest, plain_json
+from nowait.gateway.audit.chain import GENESIS, LOCAL_REPLICA, fragment_digest, hashed_line
 
 log = logging.getLogger("nowait.gateway")
 TAIL_BLOCK = 1 << 16
@@ -126,14 +126,14 @@ class AuditLog:
         with self._lock:
             if self._file.closed:
                 return
-            chained = plain_json({"time": round(time.time(), 3), **entry, "replica": self.replica,
-                                  "seq": self._seq, "prev": self._prev})
+            chained = {"time": round(time.time(), 3), **entry, "replica": self.replica, "seq": self._seq,
+                       "prev": self._prev}
             if self._torn is not None:
                 chained["torn"] = self._torn
-            chained["hash"] = entry_hash(chained)
-            self._file.write(canonical(chained) + b"\n")
+            digest, line = hashed_line(chained)
+            self._file.write(line + b"\n")
             self._file.flush()
-            self._prev, self._seq, self._torn = chained["hash"], self._seq + 1, None
+            self._prev, self._seq, self._torn = digest, self._seq + 1, None
 
     def close(self) -> None:
         with self._lock:
