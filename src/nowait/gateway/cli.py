@@ -16,17 +16,22 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def _has_keys(settings) -> bool:
-    """Any key that closes the server: configured, admin, or in the key store."""
-    from nowait.gateway.keys import open_key_store
+def _check_store(settings) -> bool:
+    """Open the config's store once before serving (a bad URL, an unreachable database, a refused
+    login or a schema newer than this nowait is one line and exit 2, not a traceback from inside
+    the server); whether it holds any key."""
+    from nowait.gateway.stores import open_stores
+    from nowait.store.url import StoreError
 
-    if settings.auth.keys() or settings.auth.admin():
-        return True
-    store = open_key_store(settings.key_database)
     try:
-        return store.any_keys()
+        stores = open_stores(settings)
+    except StoreError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(code=2) from None
+    try:
+        return stores.keys.any_keys()
     finally:
-        store.close()
+        stores.close()
 
 
 def serve(
@@ -35,30 +40,38 @@ def serve(
     port: int = typer.Option(None, help="port (default: the config's, 8000)"),
     threads: int = typer.Option(None, min=1, help="torch CPU threads (default: the config's, else torch's choice)"),
     log_level: str = typer.Option("info", help="uvicorn log level"),
+    store: str = typer.Option(None, "--store", help="store URL (default: the config's store.url, else SQLite under "
+                                                    "data_dir): sqlite:///PATH or postgresql://USER:PASSWORD@HOST/DB"),
+    replica: str = typer.Option(None, "--replica", help="this replica's name in batch leases and its audit chain "
+                                                        "(default: the config's store.replica, else HOST:PORT)"),
 ) -> None:
     """Serve the OpenAI-compatible gateway (chat, completions, batches, metrics)."""
     import uvicorn
     from pydantic import ValidationError
 
     from nowait.gateway.app import create_app
-    from nowait.gateway.config import ConfigError, ServerConfig, default_config, load_config
+    from nowait.gateway.config import ConfigError, ServerConfig, StoreConfig, default_config, load_config
 
     try:
         settings = load_config(config) if config is not None else default_config()
         overrides = {k: v for k, v in {"host": host, "port": port, "torch_threads": threads}.items() if v is not None}
         # Validated as a config file's values are (a copy with updates would take --port 70000).
         server = ServerConfig.model_validate({**settings.server.model_dump(), **overrides})
+        store_overrides = {k: v for k, v in {"url": store, "replica": replica}.items() if v is not None}
+        store_config = StoreConfig.model_validate({**settings.store.model_dump(), **store_overrides})
     except ConfigError as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(code=2) from None
     except ValidationError as error:
         first = error.errors()[0]
-        typer.echo(f"error: --{'threads' if first['loc'][0] == 'torch_threads' else first['loc'][0]}: "
-                   f"{first['msg']}", err=True)
+        where = first["loc"][0] if first["loc"] else "store"
+        typer.echo(f"error: --{'threads' if where == 'torch_threads' else where}: "
+                   f"{first['msg'].removeprefix('Value error, ')}", err=True)
         raise typer.Exit(code=2) from None
-    settings = settings.model_copy(update={"server": server})
+    settings = settings.model_copy(update={"server": server, "store": store_config})
+    has_keys = _check_store(settings)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
-    if not _is_loopback(server.host) and not _has_keys(settings):
+    if not _is_loopback(server.host) and not (has_keys or settings.auth.keys() or settings.auth.admin()):
         logging.getLogger("nowait.gateway").warning(
             "listening on %s with no API keys: anyone who can reach it can use it (create keys with "
             "`nowait keys create`, or set auth.api_keys or NOWAIT_API_KEYS)", server.host)

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nowait.gateway.schemas import ErrorDetail, ErrorResponse
+from nowait.store.database import StoreUnavailable
 
 log = logging.getLogger("nowait.gateway")
 
@@ -132,6 +133,13 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[APIError], None] | 
     async def _store_unavailable(request: Request, exc: sqlite3.OperationalError) -> JSONResponse:
         # Locked by another writer, disk full, an I/O error: the transaction was rolled back, so
         # nothing was accepted; the client may retry the same request.
+        log.warning("store unavailable on %s %s: %s", request.method, request.url.path, exc)
+        return answer(store_unavailable(str(exc)))
+
+    @app.exception_handler(StoreUnavailable)
+    async def _shared_store_unavailable(request: Request, exc: StoreUnavailable) -> JSONResponse:
+        # The shared database cannot be reached: no transaction committed. Chat and completions
+        # do not need it; the store-backed endpoints answer this until it is back.
         log.warning("store unavailable on %s %s: %s", request.method, request.url.path, exc)
         return answer(store_unavailable(str(exc)))
 
