@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 from nowait.gateway.dispatch import Outcome
+from nowait.gateway.errors import APIError
 from nowait.gateway.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -93,9 +94,9 @@ class ChunkWriter:
                                    choices=[CompletionChoice(index=0, text=text or "", finish_reason=finish)])
         return chunk.model_dump(exclude_none=True) | ({"usage": None} if self.include_usage else {})
 
-    def opening(self) -> str | None:
+    def opening(self) -> list[str]:
         """Chat streams open with the assistant role and no content (as OpenAI's do)."""
-        return sse(self._chunk("", role=True)) if self.endpoint == "chat" else None
+        return [sse(self._chunk("", role=True))] if self.endpoint == "chat" else []
 
     def delta(self, text: str) -> str:
         return sse(self._chunk(text))
@@ -110,3 +111,10 @@ class ChunkWriter:
             out.append(sse({"id": self.response_id, "object": object_name, "created": finish["created"],
                             "model": self.model, "choices": [], "usage": usage([outcome]).model_dump()}))
         return out
+
+    def failure(self, error: APIError) -> list[str]:
+        return [sse(error.body())]
+
+    def end(self) -> list[str]:
+        """`data: [DONE]`, however the stream ended (OpenAI's clients wait for it)."""
+        return [SSE_DONE]

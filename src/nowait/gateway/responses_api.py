@@ -259,5 +259,9 @@ class ResponseEvents:
                             response=response)]
 
     def failure(self, error: APIError) -> list[str]:
+        error = renamed(error)
         return [self._event("error", code=error.code, message=error.message, param=error.param),
                 self._event("response.failed", response=self.builder.failed(error))]
+
+    def end(self) -> list[str]:
+        return []  # the Responses API's streams end with their last typed event, no [DONE]
