@@ -1,11 +1,12 @@
 """Files and batches through the official client: JSONL in, output and error files out, the
-status sequence, validation failures and cancellation."""
+status sequence, validation failures and cancellation; on the SQLite store and on PostgreSQL."""
 
 from __future__ import annotations
 
 import io
 import json
 import time
+import uuid
 
 import openai
 import pytest
@@ -14,12 +15,18 @@ from nowait.gateway.batches import BatchInputError, parse_input
 from tests.gateway_support import base_config, free_port, live_server, save_tiny_models
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, codec):
-    root = tmp_path_factory.mktemp("gateway-batches")
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def server(request, tmp_path_factory, codec):
+    """One gateway per store: the embedded SQLite one, and a fresh database on the session's
+    PostgreSQL server."""
+    root = tmp_path_factory.mktemp(f"gateway-batches-{request.param}")
     models = save_tiny_models(root / "models", codec)
-    config = base_config(models, root / "data", free_port(), batches={"max_concurrent_lines": 2})
+    store = {}
+    if request.param == "postgresql":
+        store = {"url": request.getfixturevalue("postgres_server").create_database(f"batches_{uuid.uuid4().hex[:8]}")}
+    config = base_config(models, root / "data", free_port(), batches={"max_concurrent_lines": 2}, store=store)
     with live_server(config) as live:
+        assert live.gateway.store.db.dialect == request.param
         yield live
 
 
@@ -48,6 +55,26 @@ def wait_for(client: openai.OpenAI, batch_id: str, statuses: set[str], timeout: 
 
 def read_jsonl(client: openai.OpenAI, file_id: str) -> list[dict]:
     return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
+def test_files_upload_list_retrieve_read_and_delete(server):
+    client = server.client()
+    content = jsonl([chat_line("f-1"), chat_line("f-2")]).getvalue()
+    first = client.files.create(file=("one.jsonl", io.BytesIO(content)), purpose="batch")
+    second = client.files.create(file=("two.txt", io.BytesIO(b"\x00binary\xff")), purpose="user_data")
+    assert (first.filename, first.bytes, second.bytes) == ("one.jsonl", len(content), 8)
+    listed = [f.id for f in client.files.list()]
+    assert listed.index(second.id) < listed.index(first.id)  # newest first
+    user_data = [f.id for f in client.files.list(purpose="user_data")]
+    assert second.id in user_data and first.id not in user_data
+    assert client.files.retrieve(first.id).filename == "one.jsonl"
+    assert client.files.content(first.id).content == content
+    assert client.files.content(second.id).content == b"\x00binary\xff"  # bytes kept as they were
+    assert client.files.delete(second.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(second.id)
+    with pytest.raises(openai.NotFoundError):
+        client.files.delete(second.id)
 
 
 def test_a_batch_runs_to_completion_with_output_and_error_files(server):
