@@ -223,7 +223,8 @@ def test_a_looked_up_key_is_reused_only_while_the_store_is_unchanged_and_at_most
     # still found for up to FIND_CACHE_S, then read again.
     fresh, fresh_record = server_side.create(KeySettings(tenant="teamCache"))
     assert server_side.find(fresh) == fresh_record
-    server_side._db.execute("DELETE FROM api_keys WHERE id = ?", (fresh_record.id,))
+    server_side.database.transaction(lambda session: session.execute("DELETE FROM api_keys WHERE id = ?",
+                                                                     (fresh_record.id,)))
     assert server_side.find(fresh) == fresh_record
     now = keys.time.monotonic()
     monkeypatch.setattr(keys.time, "monotonic", lambda: now + keys.FIND_CACHE_S + 0.01)

@@ -2,8 +2,9 @@
 
 A key record holds a public id (`key_...`), its tenant, its times (created, expires, revoked) and
 what it allows: models, a data-class floor, requests and tokens per minute, a budget per day.
-The store is behind `KeyStore`; `SqliteKeyStore` keeps it in `keys.sqlite` beside the batch
-store (its SQL is kept portable, so a PostgreSQL store can take the same statements).
+The store is behind `KeyStore`; `SqlKeyStore` keeps it in a store database with the same
+statements on SQLite and PostgreSQL: an embedded gateway's `keys.sqlite` beside the batch store
+(`SqliteKeyStore`), or the shared PostgreSQL database that several replicas read.
 """
 
 from __future__ import annotations
@@ -11,17 +12,21 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import secrets
-import sqlite3
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from nowait.gateway.tenants import Caller, models_named
 from nowait.router import DataClass
+from nowait.store.database import Database, SqliteDatabase, StoreUnavailable
+from nowait.store.schema import Component, migrate, sql_step
+
+log = logging.getLogger("nowait.gateway")
 
 KEY_PREFIX = "nw-"
 SECRET_BYTES = 32  # 256 random bits: at least the 128 a key needs, with room to spare
@@ -116,50 +121,106 @@ CREATE TABLE IF NOT EXISTS api_keys (
     requests_per_minute INTEGER, tokens_per_minute INTEGER, budget_usd_per_day DOUBLE PRECISION);
 CREATE INDEX IF NOT EXISTS api_keys_tenant ON api_keys (tenant);
 """
+KEYS_SCHEMA = Component("keys", (sql_step(SCHEMA),))  # a keys.sqlite from before versions: the same tables
 COLUMNS = ("id, tenant, created_at, expires_at, revoked_at, models, data_class_floor, requests_per_minute, "
            "tokens_per_minute, budget_usd_per_day")
 
 
-# How long `find` may reuse a record it read: a key is looked up on every request, and reading
-# its row cost more than the rest of the keyed path together. The record is reused only while
-# the database is unchanged (SQLite's `data_version`, which moves when another connection, such
-# as `nowait keys revoke`, commits; this store's own revoke clears the cache), so a revoke still
-# holds from the next request; the age bound is a second guard.
+# How long `find` (and `any_keys`) may reuse what it read: a key is looked up on every request,
+# and reading its row cost more than the rest of the keyed path together. On SQLite the record
+# is reused only while the database is unchanged (`data_version`, which moves when another
+# connection, such as `nowait keys revoke`, commits), so a revoke holds from the next request;
+# on PostgreSQL (several replicas, no such counter) the age bound alone holds: a key created or
+# revoked on one replica is honoured by every replica within FIND_CACHE_S. This store's own
+# writes clear the cache at once. While the database is unreachable, a key found before is
+# served from its last read, however old (chat and completions keep working; a revoke made
+# during the outage, or in the second before it, holds once the database is back), and a key
+# not read before is a 503. Only the lookup that finds the database gone waits for it (the
+# pool's timeout); until a probe thread finds it back, lookups answer without asking it.
 FIND_CACHE_S = 1.0
 FIND_CACHE_ENTRIES = 4096  # at most this many keys remembered (cleared whole beyond it)
+PROBE_S = 1.0  # while the database is unreachable, how often it is asked again (off the request path)
+T = TypeVar("T")
 
 
-class SqliteKeyStore:
-    """Key records in one SQLite file (WAL: a `nowait keys` command and the server share it)."""
+class SqlKeyStore:
+    """Key records in a store database (SQLite or PostgreSQL), the same statements on both."""
 
-    def __init__(self, path: str | Path, clock: Callable[[], float] = time.time) -> None:
-        self.path, self.clock = Path(path), clock
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None, timeout=10)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(SCHEMA)
-        # secret's SHA-256 -> (monotonic time read, record), valid for `_version`: real time,
-        # never the injectable clock, which tests stop; only found keys (unknown secrets would fill it).
+    def __init__(self, database: Database, clock: Callable[[], float] = time.time,
+                 owns_database: bool = False) -> None:
+        self.database, self.clock, self._owns_database = database, clock, owns_database
+        migrate(database, KEYS_SCHEMA)
+        # secret's SHA-256 (never the secret) -> (monotonic time read, record); real time, never
+        # the injectable clock, which tests stop; only found keys (unknown secrets would fill it).
         self._found: dict[str, tuple[float, KeyRecord]] = {}
+        self._any: tuple[float, bool] | None = None  # any_keys' last answer and when it was read
         self._version = -1
+        self._closed = False
+        self._lock = threading.Lock()
+        self._down = threading.Event()  # set while the database is unreachable (a probe waits for it)
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        """Close the database if it is this store's own (a shared one is its opener's to close)."""
+        self._closed = True
+        if self._owns_database:
+            self.database.close()
 
-    def _rows(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
-        with self._lock:
-            return self._db.execute(sql, args).fetchall()
+    def _rows(self, sql: str, args: tuple = ()) -> list[Any]:
+        return self.database.query(sql, args)
 
-    def _write(self, sql: str, args: tuple) -> int:
+    def _write(self, sql: str, args: tuple) -> None:
+        self.database.transaction(lambda session: session.execute(sql, args))
+        self._forget()
+
+    def _forget(self) -> None:
         with self._lock:
-            return self._db.execute(sql, args).rowcount
+            self._found.clear()
+            self._any = None
+
+    def _fresh(self) -> None:
+        """Drop what was read if another connection wrote since (SQLite's data_version)."""
+        if self.database.dialect != "sqlite":
+            return
+        version = self.database.query("PRAGMA data_version")[0][0]
+        with self._lock:
+            if version != self._version:
+                self._found.clear()
+                self._any = None
+                self._version = version
+
+    def _last_read(self, cached: tuple[float, T] | None) -> T:
+        """What was read before the database became unreachable, else `StoreUnavailable`."""
+        if cached is None:
+            raise StoreUnavailable(f"the store {self.database.url.redacted} is unavailable: this key was not read "
+                                   "before it became so")
+        return cached[1]
+
+    def _went_down(self) -> None:
+        """From now on, serve the last reads at once (never wait on the unreachable database in
+        the request path), while one thread asks the database every PROBE_S until it answers."""
+        with self._lock:
+            if self._down.is_set():
+                return
+            self._down.set()
+        log.warning("key store %s unreachable: keys found before are served from their last read until it is back",
+                    self.database.url.redacted)
+        threading.Thread(target=self._probe, name="key-store-probe", daemon=True).start()
+
+    def _probe(self) -> None:
+        while True:
+            time.sleep(PROBE_S)
+            try:
+                self.database.query("SELECT 1")
+            except Exception:  # still unreachable (or closed): ask again, unless closed
+                if self._closed:
+                    return
+                continue
+            self._down.clear()
+            log.warning("key store %s reachable again: keys are read from it", self.database.url.redacted)
+            return
 
     @staticmethod
-    def _record(row: sqlite3.Row) -> KeyRecord:
+    def _record(row: Any) -> KeyRecord:
         return KeyRecord(id=row["id"], tenant=row["tenant"], created_at=row["created_at"],
                          expires_at=row["expires_at"], revoked_at=row["revoked_at"],
                          models=tuple(json.loads(row["models"])) if row["models"] is not None else None,
@@ -188,25 +249,30 @@ class SqliteKeyStore:
         return secret, record
 
     def find(self, secret: str) -> KeyRecord | None:
-        """The record of a presented secret (revoked and expired ones included: the caller decides)."""
+        """The record of a presented secret (revoked and expired ones included: the caller decides);
+        `StoreUnavailable` only for a key not found before the database became unreachable."""
         digest = secret_hash(secret)
-        with self._lock:
-            version = self._db.execute("PRAGMA data_version").fetchone()[0]
-        if version != self._version:  # another connection wrote: what was read may be stale
-            self._found.clear()
-            self._version = version
-        cached = self._found.get(digest)
-        if cached is not None and time.monotonic() - cached[0] < FIND_CACHE_S:
-            return cached[1]
-        read_at = time.monotonic()
-        rows = self._rows(f"SELECT {COLUMNS}, secret_sha256 FROM api_keys WHERE secret_sha256 = ?", (digest,))
+        if self._down.is_set():
+            return self._last_read(self._found.get(digest))
+        try:
+            self._fresh()
+            cached = self._found.get(digest)
+            if cached is not None and time.monotonic() - cached[0] < FIND_CACHE_S:
+                return cached[1]
+            read_at = time.monotonic()
+            rows = self._rows(f"SELECT {COLUMNS}, secret_sha256 FROM api_keys WHERE secret_sha256 = ?", (digest,))
+        except StoreUnavailable:
+            self._went_down()
+            return self._last_read(self._found.get(digest))
         # The index lookup finds the row; the comparison that decides is constant-time.
         if rows and hmac.compare_digest(rows[0]["secret_sha256"], digest):
             record = self._record(rows[0])
-            if len(self._found) >= FIND_CACHE_ENTRIES:
-                self._found.clear()
-            self._found[digest] = (read_at, record)
+            with self._lock:
+                if len(self._found) >= FIND_CACHE_ENTRIES:
+                    self._found.clear()
+                self._found[digest] = (read_at, record)
             return record
+        self._found.pop(digest, None)  # deleted since it was read
         return None
 
     def get(self, key_id: str) -> KeyRecord | None:
@@ -223,17 +289,41 @@ class SqliteKeyStore:
     def revoke(self, key_id: str) -> KeyRecord | None:
         """The key's record, revoked from now on (a key revoked before keeps its time)."""
         self._write("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
-                    (int(self.clock()), key_id))
-        self._found.clear()  # honoured on the next request, not a second later
+                    (int(self.clock()), key_id))  # clears the cache: honoured on the next request
         return self.get(key_id)
 
     def any_keys(self) -> bool:
-        return bool(self._rows("SELECT 1 FROM api_keys LIMIT 1"))
+        """Whether the store holds a key (asked on every request: reused as `find`'s records are)."""
+        if self._down.is_set():
+            return self._last_read(self._any)
+        try:
+            self._fresh()
+            cached = self._any
+            if cached is not None and time.monotonic() - cached[0] < FIND_CACHE_S:
+                return cached[1]
+            read_at = time.monotonic()
+            found = bool(self._rows("SELECT 1 FROM api_keys LIMIT 1"))
+        except StoreUnavailable:
+            self._went_down()
+            return self._last_read(self._any)
+        self._any = (read_at, found)
+        return found
+
+
+class SqliteKeyStore(SqlKeyStore):
+    """Key records in their own SQLite file (WAL: a `nowait keys` command and the server share it)."""
+
+    def __init__(self, path: str | Path, clock: Callable[[], float] = time.time) -> None:
+        self.path = Path(path)
+        database = SqliteDatabase(self.path)
+        try:
+            super().__init__(database, clock, owns_database=True)
+        except BaseException:
+            database.close()
+            raise
 
 
 def open_key_store(path: str | Path, clock: Callable[[], float] = time.time) -> KeyStore:
-    """The key store the configuration names: today a SQLite file. A shared PostgreSQL store
-    (several gateway replicas) would be chosen here, behind the same `KeyStore` interface, with
-    the same statements (the SQL above keeps to what both databases accept)."""
+    """The key store of an embedded gateway: its SQLite file. A shared store's keys are a
+    `SqlKeyStore` over that database (stores.py, `nowait keys --store`)."""
     return SqliteKeyStore(path, clock)
-

@@ -1,6 +1,7 @@
 """`nowait keys create | list | revoke`: the tenants' API keys, in the store the gateway reads
-(the config's `auth.database`, by default keys.sqlite beside the batch store). A running server
-honours a new key or a revoke from its next request on."""
+(the config's `auth.database`, by default keys.sqlite beside the batch store; a shared store
+with `--store URL` or a config whose store.url is PostgreSQL). A running server honours a new
+key or a revoke from its next request on (every replica of a shared store within a second)."""
 
 from __future__ import annotations
 
@@ -11,17 +12,27 @@ from pathlib import Path
 import typer
 
 from nowait.cli_errors import fail
+from nowait.gateway.store_option import STORE_HELP, shared_database, store_errors
 
 keys_app = typer.Typer(help="API keys of the tenants: create (the secret is shown once), list, revoke.",
                        no_args_is_help=True)
 
 CONFIG_OPTION = typer.Option(None, "--config", "-c", help="nowait.yaml of the gateway (default: its defaults)")
+STORE_OPTION = typer.Option(None, "--store", help=STORE_HELP)
 
 
-def _store(config: Path | None):
+def _store(config: Path | None, store: str | None = None):
     from nowait.gateway.config import ConfigError, default_config, load_config
-    from nowait.gateway.keys import open_key_store
+    from nowait.gateway.keys import SqlKeyStore, open_key_store
 
+    database = shared_database(store, config)
+    if database is not None:
+        try:
+            with store_errors():
+                return SqlKeyStore(database, owns_database=True)
+        except BaseException:
+            database.close()
+            raise
     try:
         settings = load_config(config) if config is not None else default_config()
     except ConfigError as error:
@@ -51,6 +62,7 @@ def create(
     budget_usd_per_day: float = typer.Option(None, help="the tenant's spend per UTC day, owned compute included"),
     expires_in_days: float = typer.Option(None, help="the key stops working after this many days"),
     config: Path = CONFIG_OPTION,
+    store: str = STORE_OPTION,
     as_json: bool = typer.Option(False, "--json", help="one JSON object: key, id, tenant and the settings"),
 ) -> None:
     """Create a key and print its secret: this once, never again (only its hash is stored)."""
@@ -68,11 +80,12 @@ def create(
                                expires_in_days=expires_in_days)
     except ValueError as error:
         fail(str(error))
-    store = _store(config)
+    keys = _store(config, store)
     try:
-        secret, record = store.create(settings)
+        with store_errors():
+            secret, record = keys.create(settings)
     finally:
-        store.close()
+        keys.close()
     if as_json:
         typer.echo(json.dumps({"key": secret, **record.public()}))
         return
@@ -87,14 +100,16 @@ def create(
 def list_keys(
     tenant: str = typer.Option(None, help="only this tenant's keys"),
     config: Path = CONFIG_OPTION,
+    store: str = STORE_OPTION,
     as_json: bool = typer.Option(False, "--json", help="a JSON list of the records"),
 ) -> None:
     """The keys' records (ids, tenants, times, scopes, limits); never a secret."""
-    store = _store(config)
+    keys = _store(config, store)
     try:
-        records = store.list(tenant)
+        with store_errors():
+            records = keys.list(tenant)
     finally:
-        store.close()
+        keys.close()
     if as_json:
         typer.echo(json.dumps([r.public() for r in records]))
         return
@@ -112,13 +127,16 @@ def list_keys(
 def revoke(
     key_id: str = typer.Argument(..., help="the key's id (key_...), as `nowait keys list` shows it"),
     config: Path = CONFIG_OPTION,
+    store: str = STORE_OPTION,
 ) -> None:
-    """Revoke a key: a running gateway refuses it (401) from its next request on."""
-    store = _store(config)
+    """Revoke a key: a running gateway refuses it (401) from its next request on (within a second on
+    every replica of a shared store)."""
+    keys = _store(config, store)
     try:
-        record = store.revoke(key_id)
+        with store_errors():
+            record = keys.revoke(key_id)
     finally:
-        store.close()
+        keys.close()
     if record is None:
         fail(f"no key {key_id!r} (see `nowait keys list`)")
     typer.echo(f"revoked {record.id} (tenant {record.tenant}) at {_when(record.revoked_at)}")

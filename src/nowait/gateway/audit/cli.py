@@ -1,4 +1,6 @@
-"""`nowait audit verify` and `nowait audit spend`: the audit log read back, from the shell."""
+"""`nowait audit verify` and `nowait audit spend`: the audit log read back, from the shell: the
+JSONL file of an embedded gateway, or (`--store URL`, or a config whose store.url is
+PostgreSQL) every replica's chain in the shared store."""
 
 from __future__ import annotations
 
@@ -9,11 +11,14 @@ from pathlib import Path
 import typer
 
 from nowait.cli_errors import fail
+from nowait.gateway.store_option import STORE_HELP, shared_database, store_errors
+from nowait.store.database import Database
 
 audit_app = typer.Typer(help="Check the audit log's hash chain; sum what each tenant spent.", no_args_is_help=True)
 
 PATH_HELP = "audit log (default: the --config file's, else the default config's nowait-data/audit.jsonl)"
 CONFIG_HELP = "nowait.yaml whose audit log to read"
+STORE_OPTION = typer.Option(None, "--store", help=STORE_HELP)
 
 
 class SpendBy(str, Enum):
@@ -33,20 +38,42 @@ def audit_path(path: Path | None, config: Path | None) -> Path:
         fail(str(error))
 
 
+def audit_database(path: Path | None, config: Path | None, store: str | None) -> Database | None:
+    """The shared store to read (`--store`, or the config's PostgreSQL store); None: a file."""
+    if path is not None:
+        if store is not None:
+            fail("give an audit log path or --store, not both")
+        return None
+    return shared_database(store, config)
+
+
 @audit_app.command()
 def verify(
     path: Path = typer.Argument(None, help=PATH_HELP),
     config: Path = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
+    store: str = STORE_OPTION,
     as_json: bool = typer.Option(False, "--json", help="print the verdict as JSON"),
 ) -> None:
-    """Check every entry's hash and link: exit 0 with the count, or 1 naming the first break."""
+    """Check every entry's hash and link (every replica's chain): exit 0 with the count, or 1 naming
+    the first break."""
     from nowait.gateway.audit.verify import verify_audit_log
 
-    target = audit_path(path, config)
-    try:
-        verdict = verify_audit_log(target)
-    except FileNotFoundError:
-        fail(f"no audit log at {target}")
+    database = audit_database(path, config, store)
+    if database is not None:
+        from nowait.gateway.audit.store_verify import verify_store
+
+        try:
+            with store_errors():
+                verdict = verify_store(database)
+        finally:
+            database.close()
+        target = verdict.path
+    else:
+        target = audit_path(path, config)
+        try:
+            verdict = verify_audit_log(target)
+        except FileNotFoundError:
+            fail(f"no audit log at {target}")
     if as_json:
         typer.echo(json.dumps(verdict.as_json()))
     elif verdict.ok:
@@ -65,6 +92,7 @@ def verify(
 def spend_command(
     path: Path = typer.Argument(None, help=PATH_HELP),
     config: Path = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
+    store: str = STORE_OPTION,
     since: str = typer.Option(None, help="only requests ended at or after this ISO 8601 time (UTC unless it says)"),
     by: SpendBy = typer.Option(SpendBy.tenant, help="rows per tenant or per engine"),
     as_json: bool = typer.Option(False, "--json", help="print the rows as JSON"),
@@ -73,14 +101,25 @@ def spend_command(
     from nowait.gateway.audit.log import read_audit_log
     from nowait.gateway.audit.spend import since_timestamp, spend, spend_json, total
 
-    target = audit_path(path, config)
-    if not target.exists():
-        fail(f"no audit log at {target}")
     try:
         start = since_timestamp(since) if since is not None else None
     except ValueError:
         fail(f"--since: not an ISO 8601 date or time: {since!r}")
-    rows = spend(read_audit_log(target), by.value, start)
+    database = audit_database(path, config, store)
+    if database is not None:
+        from nowait.gateway.audit.store_log import read_store_audit_log
+
+        try:
+            with store_errors():
+                entries = read_store_audit_log(database, start)
+        finally:
+            database.close()
+    else:
+        target = audit_path(path, config)
+        if not target.exists():
+            fail(f"no audit log at {target}")
+        entries = read_audit_log(target)
+    rows = spend(entries, by.value, start)
     if as_json:
         typer.echo(json.dumps(spend_json(rows, by.value, start)))
         return
