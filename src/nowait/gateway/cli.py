@@ -78,7 +78,11 @@ def serve(
     threshold, source = settings.confidence_threshold()
     logging.getLogger("nowait.gateway").info("diffusion answers below confidence %.3g re-run on %s (from %s)",
                                              threshold, settings.routing.fallback_engine, source)
-    uvicorn.run(create_app(settings), host=server.host, port=server.port, log_level=log_level)
+    # On SIGTERM uvicorn closes its listening sockets, lets the requests in flight finish for up
+    # to the grace period, cancels what is left, then runs the lifespan's shutdown (engines and
+    # the batch runner stop; a batch's unanswered lines are answered after the next start).
+    uvicorn.run(create_app(settings), host=server.host, port=server.port, log_level=log_level,
+                timeout_graceful_shutdown=server.shutdown_grace_s)
 
 
 def register(app: typer.Typer) -> None:

@@ -75,6 +75,9 @@ class ServerConfig(Strict):
                                                               "gets 429 too_many_streams")
     stream_stall_timeout_s: float = Field(30.0, gt=0, description="a stream whose client reads nothing this long "
                                                                   "is dropped (its engine work cancelled)")
+    shutdown_grace_s: float = Field(30.0, ge=0, description="on SIGTERM, how long running requests may take to "
+                                                          "finish once no new ones are accepted; then they are "
+                                                          "cancelled and the server stops")
 
 
 def _keys_from(listed: list[str], env: str | None) -> set[str]:
@@ -129,6 +132,18 @@ class BatchConfig(Strict):
     data_class: DataClass | None = Field(None, description="for lines that state none (default: defaults.data_class)")
 
 
+class FleetConfig(Strict):
+    """`nowait fleet up`: where the Ray Serve application runs and listens (docs/fleet.md); each
+    owned engine's replicas are under `engines.<name>.fleet`."""
+
+    ray_address: str | None = Field(None, description="the Ray cluster (ray://HOST:10001 or HOST:6379); unset: a "
+                                                      "local cluster is started")
+    gateway_replicas: int = Field(2, ge=1, description="gateway (ingress) replicas; more than one needs a "
+                                                       "PostgreSQL store.url")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+
+
 DEFAULT_ENGINES: dict[str, EngineSpec] = {
     "ar": ArEngineConfig(kind="ar", model="ar"),
     "spec": SpecEngineConfig(kind="spec", model="ar", draft="draft"),  # the best method, tuned
@@ -148,6 +163,7 @@ class GatewayConfig(Strict):
     defaults: RequestDefaults = RequestDefaults()
     batches: BatchConfig = BatchConfig()
     store: StoreConfig = StoreConfig()
+    fleet: FleetConfig = FleetConfig()
 
     @model_validator(mode="after")
     def _names_resolve(self) -> GatewayConfig:
