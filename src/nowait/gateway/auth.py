@@ -7,7 +7,9 @@
     /admin/*  an admin key (`auth.admin_keys` / `NOWAIT_ADMIN_KEYS`) and nothing else
 
 A server with no key anywhere (none configured, none in the store) is open, as the quick start
-on loopback wants: its callers are the tenant `default`.
+on loopback wants: its callers are the tenant `default`. A shared store that cannot be reached
+answers a key it never read 503 `store_unavailable` (with Retry-After); keys it read before keep
+working from that read (keys.py).
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import hmac
 import time
 from collections.abc import Callable
 
-from nowait.gateway.errors import APIError
+from nowait.gateway.errors import APIError, store_unavailable
 from nowait.gateway.keys import KEY_PREFIX, KeyStore
 from nowait.gateway.tenants import DEFAULT_CALLER, Caller
+from nowait.store.database import StoreUnavailable
 
 ADMIN_PREFIX = "/admin/"
 
@@ -91,6 +94,9 @@ class Authenticator:
             return None
         if not needs_key(path):
             return None
-        if self.open():
-            return DEFAULT_CALLER
-        return self.caller(token)
+        try:
+            if self.open():
+                return DEFAULT_CALLER
+            return self.caller(token)
+        except StoreUnavailable as error:  # a shared store down, this key not read before it went (keys.py)
+            raise store_unavailable(str(error)) from None
