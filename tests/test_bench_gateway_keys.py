@@ -31,9 +31,14 @@ def test_bench_gateway_times_keys_on_against_keys_off(tmp_path, codec):
     chain = keys["audit_chain_us"]
     assert chain["entries"] == 2 * (requests + 2) and chain["chained_us"]["p50"] > 0
     assert chain["added_us"]["p50"] == round(chain["chained_us"]["p50"] - chain["unchained_us"]["p50"], 2)
+    steps = keys["key_path_us"]
+    assert steps["store_key_us"]["p50"] > 0 and steps["limits_us"]["p50"] > 0
+    assert steps["added_p50_us"] == round(steps["store_key_us"]["p50"] - steps["configured_key_us"]["p50"]
+                                          + steps["limits_us"]["p50"], 2)
     goals = report["goals"]
     assert goals["tenant_keys_p50_met"] == (goals["tenant_keys_p50_ms"] <= goals["tenant_keys_p50_ms_at_most"])
+    assert goals["tenant_keys_in_process_p50_ms"] == round((steps["added_p50_us"] + chain["added_us"]["p50"]) / 1000, 3)
     plain = runner.invoke(app, ["bench", "gateway", "--config", str(path), "--requests", "1", "--clients", "1",
                                 "--max-tokens", "1", "--tenant-keys"], prog_name="nowait")
     assert plain.exit_code == 0, plain.output
-    assert "keys on" in plain.output and "audit chain adds" in plain.output
+    assert "keys on" in plain.output and "audit chain adds" in plain.output and "key lookup" in plain.output
