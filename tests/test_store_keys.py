@@ -59,6 +59,7 @@ def test_a_key_created_on_one_replica_is_found_by_the_other_and_a_revoke_holds_w
     later.past_the_cache()  # `there` read `any_keys` before the create: its answer may be that old
     assert there.any_keys()
     assert there.find(secret) == record and there.find(secret).caller().tenant == "teamShared"
+    assert there.get(record.id) == record and there.get("key_nosuch") is None
     assert there.find(secret + "x") is None
 
     revoked = here.revoke(record.id)
@@ -66,6 +67,7 @@ def test_a_key_created_on_one_replica_is_found_by_the_other_and_a_revoke_holds_w
     assert here.find(secret).revoked_at is not None  # its own store: at once
     later.past_the_cache()
     assert there.find(secret).revoked_at == revoked.revoked_at  # another replica: within FIND_CACHE_S
+    assert there.get(record.id).revoked_at == revoked.revoked_at  # a batch line of the key: refused too
 
 
 def test_on_postgresql_a_lookup_is_reused_for_at_most_the_cache_bound(postgres_url, monkeypatch):
@@ -74,11 +76,11 @@ def test_on_postgresql_a_lookup_is_reused_for_at_most_the_cache_bound(postgres_u
     database = open_database(postgres_url)
     store, later = SqlKeyStore(database), Later(monkeypatch)
     secret, record = store.create(KeySettings(tenant="teamCache"))
-    assert store.find(secret) == record
+    assert store.find(secret) == record and store.get(record.id) == record
     database.transaction(lambda s: s.execute("UPDATE api_keys SET revoked_at = 1 WHERE id = ?", (record.id,)))
-    assert store.find(secret).revoked_at is None
+    assert store.find(secret).revoked_at is None and store.get(record.id).revoked_at is None
     later.past_the_cache()
-    assert store.find(secret).revoked_at == 1
+    assert store.find(secret).revoked_at == 1 and store.get(record.id).revoked_at == 1
     database.close()
 
 

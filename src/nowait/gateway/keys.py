@@ -153,6 +153,7 @@ class SqlKeyStore:
         # secret's SHA-256 (never the secret) -> (monotonic time read, record); real time, never
         # the injectable clock, which tests stop; only found keys (unknown secrets would fill it).
         self._found: dict[str, tuple[float, KeyRecord]] = {}
+        self._by_id: dict[str, tuple[float, KeyRecord]] = {}  # `get`'s, for a batch's every line
         self._any: tuple[float, bool] | None = None  # any_keys' last answer and when it was read
         self._version = -1
         self._closed = False
@@ -175,6 +176,7 @@ class SqlKeyStore:
     def _forget(self) -> None:
         with self._lock:
             self._found.clear()
+            self._by_id.clear()
             self._any = None
 
     def _fresh(self) -> None:
@@ -185,6 +187,7 @@ class SqlKeyStore:
         with self._lock:
             if version != self._version:
                 self._found.clear()
+                self._by_id.clear()
                 self._any = None
                 self._version = version
 
@@ -276,8 +279,24 @@ class SqlKeyStore:
         return None
 
     def get(self, key_id: str) -> KeyRecord | None:
+        """The record of a key id (a batch's lines run as their key: asked once a line), reused
+        as `find`'s are; no last read is served while the database is unreachable (a batch
+        line cannot be recorded then either)."""
+        self._fresh()
+        cached = self._by_id.get(key_id)
+        if cached is not None and time.monotonic() - cached[0] < FIND_CACHE_S:
+            return cached[1]
+        read_at = time.monotonic()
         rows = self._rows(f"SELECT {COLUMNS} FROM api_keys WHERE id = ?", (key_id,))
-        return self._record(rows[0]) if rows else None
+        if not rows:
+            self._by_id.pop(key_id, None)
+            return None
+        record = self._record(rows[0])
+        with self._lock:
+            if len(self._by_id) >= FIND_CACHE_ENTRIES:
+                self._by_id.clear()
+            self._by_id[key_id] = (read_at, record)
+        return record
 
     def list(self, tenant: str | None = None) -> list[KeyRecord]:
         if tenant is None:
