@@ -97,9 +97,11 @@ class EngineWorker:
         self._inbox: deque[Ticket] = deque()
         self._wake = threading.Event()
         self._stopping = False
-        # Steps that raised, and the last one's error, for /readyz: the thread keeps serving.
+        # Steps that raised, the last one's error and when (unix seconds), for /readyz: the
+        # thread keeps serving.
         self.failures = 0
         self.last_failure: str | None = None
+        self.last_failure_at: int | None = None
         self._thread = threading.Thread(target=self._loop, name=f"nowait-engine-{name}", daemon=True)
 
     def start(self) -> None:
@@ -129,11 +131,12 @@ class EngineWorker:
                 self._drop_cancelled()
                 busy = self._advance()
             except Exception as error:  # a bug must not leave clients waiting forever
-                log.exception("engine %s failed; failing its requests", self.name)
+                log.exception("engine %s failed a step; failing the requests in it", self.name)
                 self.failures += 1
                 self.last_failure = f"{type(error).__name__}: {error}"
-                self._fail_everything(APIError(500, f"engine {self.name!r} failed: {error}", type="server_error",
-                                               code="engine_error"))
+                self.last_failure_at = int(time.time())
+                self._fail_step(APIError(500, f"engine {self.name!r} failed: {error}", type="server_error",
+                                         code="engine_error"))
                 busy = False
             if not busy:
                 self._wake.wait(0.5)
@@ -172,7 +175,11 @@ class EngineWorker:
         """Do one unit of work; False when there was none."""
         raise NotImplementedError
 
-    def _fail_everything(self, error: APIError) -> None:
+    def _fail_step(self, error: APIError) -> None:
+        """Fail the requests the step that raised was running; those still waiting for one keep
+        their place (the engine's state for them was not touched). A step that raised before it
+        ran any request fails every request the worker holds: the fault is nobody's in
+        particular, and a fault that repeats must not leave the queue waiting for its timeout."""
         raise NotImplementedError
 
     def _finish(self, ticket: Ticket, completion: Completion) -> None:
@@ -215,6 +222,9 @@ class ArWorker(EngineWorker):
             seq.finish(reason)
             return seq.to_completion(self.name, self.codec.decode(seq.output_ids))
         seq.finish(reason)
+        if seq.row < 0:  # admitted, but its step failed before it got a cache row: nothing to free
+            engine.scheduler.retire([seq])
+            return None
         engine._retire([seq])
         return engine._completed.pop(seq.seq_id, None)
 
@@ -288,14 +298,20 @@ class ArWorker(EngineWorker):
             ticket.sent_text = text[:upto]
         ticket.sent_tokens = len(ids)
 
-    def _fail_everything(self, error: APIError) -> None:
-        for ticket in self._active.values():
+    def _fail_step(self, error: APIError) -> None:
+        # The sequences holding a row were in the step (a prefill admits from the queue before
+        # it runs); those still queued were not.
+        held = {s.seq_id for s in self.engine.scheduler.running}
+        in_step = {i for i, t in self._active.items() if i in held or t.seq.is_finished} or set(self._active)
+        for seq_id, ticket in list(self._active.items()):
+            if seq_id not in in_step:
+                continue
+            del self._active[seq_id]
             ticket.emit(Event("failed", error=error))
             try:  # free its cache row, so the failure does not also shrink the engine
                 self._abort(ticket.seq)
             except Exception:
                 log.exception("engine %s: could not release a failed sequence", self.name)
-        self._active.clear()
 
 
 class DiffusionWorker(EngineWorker):
@@ -353,7 +369,11 @@ class DiffusionWorker(EngineWorker):
                 ticket.sent_text += chunk.text
         return None
 
-    def _fail_everything(self, error: APIError) -> None:
-        for ticket in self._wave + self._pending:
+    def _fail_step(self, error: APIError) -> None:
+        failed = self._wave or self._pending  # the pending ones run in the next wave
+        for ticket in failed:
             ticket.emit(Event("failed", error=error))
-        self._wave, self._pending = [], []
+        if failed is self._wave:
+            self._wave = []
+        else:
+            self._pending = []

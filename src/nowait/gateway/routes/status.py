@@ -26,9 +26,10 @@ async def readyz(request: Request) -> JSONResponse:
     engines = {name: {"kind": b.kind, "available": b.available, "reason": b.unavailable_reason or None,
                       "running": b.running(), "waiting": b.waiting()} for name, b in gateway.backends.items()}
     for name, backend in gateway.backends.items():
-        worker = getattr(backend, "worker", None)  # owned engines: steps that raised, and the last error
+        worker = getattr(backend, "worker", None)  # owned engines: steps that raised, the last error and when
         if worker is not None:
-            engines[name].update(failures=worker.failures, last_failure=worker.last_failure)
+            engines[name].update(failures=worker.failures, last_failure=worker.last_failure,
+                                 last_failure_at=worker.last_failure_at)
     ready = gateway.ready()
     routing = {"confidence_threshold": gateway.policy.confidence_threshold,
                "confidence_threshold_source": gateway.threshold_source,
