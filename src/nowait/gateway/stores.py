@@ -24,7 +24,7 @@ from nowait.store.database import Database, PostgresDatabase
 class Stores:
     batches: BatchStore
     keys: KeyStore
-    audit: AuditLog
+    audit: AuditLog  # or the shared store's StoreAuditLog: the same record / last_hash / close
     spent_since: Callable[[float], dict[str, float]]  # USD per tenant answered since a moment
     database: Database | None = None  # the shared database, when there is one
 
