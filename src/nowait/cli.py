@@ -16,6 +16,7 @@ from nowait import paths
 from nowait.bench import bench_app
 from nowait.cli_errors import fail
 from nowait.demo.cli import register as register_demo
+from nowait.fleet.cli import register as register_fleet
 from nowait.gateway.audit.cli import register as register_audit
 from nowait.gateway.cli import register as register_serve
 from nowait.gateway.keys_cli import keys_app
@@ -34,6 +35,7 @@ register_plan(app)
 register_serve(app)
 register_demo(app)
 register_audit(app)
+register_fleet(app)
 console = Console()
 err_console = Console(stderr=True)
 

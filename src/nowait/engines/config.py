@@ -29,6 +29,28 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class ReplicaRange(Strict):
+    min: int = Field(1, ge=0, description="replicas kept running (0: scale to zero when idle)")
+    max: int = Field(1, ge=1, description="replicas at most")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ReplicaRange:
+        if self.min > self.max:
+            raise ValueError(f"replicas.min ({self.min}) is more than replicas.max ({self.max})")
+        return self
+
+
+class FleetEngineConfig(Strict):
+    """How `nowait fleet up` deploys one owned engine on Ray Serve (nowait.fleet); `nowait
+    serve` ignores it. Without a `fleet` section an engine gets one replica."""
+
+    replicas: ReplicaRange = ReplicaRange()
+    gpus_per_replica: float = Field(0.0, ge=0, description="GPUs each replica holds (fractions share one)")
+    cpus_per_replica: float = Field(1.0, ge=0, description="CPUs each replica holds (fractions allowed)")
+    target_ongoing_requests: float = Field(8.0, gt=0, description="requests per replica the autoscaler aims "
+                                                                  "at (replicas.min < replicas.max)")
+
+
 class OwnedEngineConfig(Strict):
     """Fields every in-process engine shares."""
 
@@ -38,6 +60,7 @@ class OwnedEngineConfig(Strict):
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"  # auto: the checkpoint's own
     device: str = "cpu"
     max_queue: int = Field(64, ge=0, description="requests allowed to wait beyond those running; more get 429")
+    fleet: FleetEngineConfig | None = Field(None, description="replicas and resources on a Ray Serve fleet")
 
 
 class ArEngineConfig(OwnedEngineConfig):

@@ -6,6 +6,7 @@ cannot serve is kept as unavailable, with a warning, so the server starts withou
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from nowait import paths
 from nowait.checkpoints import CheckpointError
@@ -22,8 +23,11 @@ from nowait.gateway.workers import ArWorker, DiffusionWorker, EngineWorker
 log = logging.getLogger("nowait.gateway")
 
 
-def build_backends(config: GatewayConfig) -> dict[str, Backend]:
-    """Every configured engine; one that cannot serve is kept as unavailable, with a warning."""
+def build_backends(config: GatewayConfig,
+                   owned: Callable[[str, OwnedEngineSpec], Backend] | None = None) -> dict[str, Backend]:
+    """Every configured engine; one that cannot serve is kept as unavailable, with a warning.
+    `owned`: what an owned engine becomes instead of an in-process worker (a fleet gateway's
+    handle to the engine's replicas); remote upstreams are always reached from here."""
     cache = ModelCache()
     backends: dict[str, Backend] = {}
     for name, spec in config.engines.items():
@@ -35,6 +39,8 @@ def build_backends(config: GatewayConfig) -> dict[str, Backend]:
                                                     config.metrics_window_s, owned=spec.on_premises)
             else:
                 backends[name] = remote
+        elif owned is not None:
+            backends[name] = owned(name, spec)
         else:
             backends[name] = build_owned(name, spec, cache, config.metrics_window_s, config.defaults.max_tokens)
     return backends

@@ -120,6 +120,11 @@ class EngineWorker:
         """Wake the thread (a ticket was cancelled)."""
         self._wake.set()
 
+    def alive(self) -> bool:
+        """The thread runs: a fleet replica whose thread died fails its health check, and Ray
+        replaces it (nothing else would ever answer its requests)."""
+        return self._thread.is_alive()
+
     def running(self) -> int:
         raise NotImplementedError
 

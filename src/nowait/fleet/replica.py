@@ -1,0 +1,89 @@
+"""One engine replica of a fleet: the engine the factory builds from `engines.<name>`, behind the
+same worker thread and back-pressure as in `nowait serve` (gateway/owned.py), in a Ray Serve
+replica. deploy.py makes it a deployment; the gateway reaches it through a FleetBackend.
+
+Errors the engine answers (a bad request, a full queue, a timeout) come back as replies, so the
+gateway answers them exactly as `nowait serve` does; only a lost replica is a Ray error.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+
+from nowait.engines.config import OwnedEngineSpec
+from nowait.engines.factory import ModelCache
+from nowait.fleet.replies import Reply, error_fields
+from nowait.gateway.domain import Call
+from nowait.gateway.engines import build_owned
+from nowait.gateway.errors import APIError
+from nowait.gateway.owned import OwnedBackend
+
+
+def replica_id() -> str:
+    """This replica's id in Ray Serve (its process id outside one, in a unit test)."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # not inside a Serve replica
+        return f"pid-{os.getpid()}"
+
+
+class EngineReplica:
+    """An owned engine in a Ray Serve replica: run, stream, its load for the request router, and
+    a health check that fails once the engine thread is gone."""
+
+    def __init__(self, name: str, spec: OwnedEngineSpec, window_s: float, default_max_tokens: int) -> None:
+        backend = build_owned(name, spec, ModelCache(), window_s, default_max_tokens)
+        if not isinstance(backend, OwnedBackend):  # a missing or unsuitable model: the deployment fails to start
+            raise RuntimeError(f"engine {name!r} cannot serve: {backend.unavailable_reason}")
+        self.backend = backend
+        self.id = replica_id()
+        backend.worker.start()  # what OwnedBackend.start does, from a constructor that is not async
+
+    async def run(self, call: Call, timeout_s: float, affinity: str | None = None) -> Reply:
+        """`affinity` is the request router's (router.py): it is not the engine's business."""
+        try:
+            return Reply("done", attempt=await self.backend.run(call, timeout_s), replica=self.id)
+        except APIError as error:
+            return Reply("error", error=error_fields(error), replica=self.id)
+
+    async def stream(self, call: Call, timeout_s: float, affinity: str | None = None) -> AsyncIterator[Reply]:
+        """open (the engine accepted), deltas, then done; or an error, before or after open."""
+        try:
+            stream = await self.backend.open_stream(call, timeout_s)
+        except APIError as error:
+            yield Reply("error", error=error_fields(error), replica=self.id)
+            return
+        try:
+            yield Reply("open", replica=self.id)
+            async for text in stream.deltas():
+                yield Reply("delta", text=text)
+            yield Reply("done", attempt=stream.attempt, replica=self.id)
+        except APIError as error:
+            yield Reply("error", error=error_fields(error), replica=self.id)
+        finally:  # the gateway went away mid-stream: the engine stops decoding for it
+            await stream.aclose()
+
+    def load(self) -> dict:
+        """Requests running and waiting, and free cache rows: what the request router reads."""
+        backend = self.backend
+        running, waiting = backend.running(), backend.waiting()
+        return {"running": running, "waiting": waiting, "free_cache": max(0, backend.capacity - running),
+                "pid": os.getpid()}
+
+    def record_routing_stats(self) -> dict:
+        """Ray Serve calls this every `request_routing_stats_period_s`; the router reads its answer."""
+        return self.load()
+
+    def check_health(self) -> None:
+        """Ray Serve calls this periodically; raising marks the replica unhealthy and Ray replaces it."""
+        if not self.backend.worker.alive():
+            raise RuntimeError(f"engine {self.backend.name!r}: its worker thread has stopped "
+                               f"({self.backend.worker.last_failure or 'no failure recorded'})")
+
+    def __del__(self) -> None:
+        worker = getattr(getattr(self, "backend", None), "worker", None)
+        if worker is not None:
+            worker.stop(timeout_s=1.0)

@@ -1,0 +1,97 @@
+"""The fleet's parts that need no Ray cluster: its config, the deployment options, the replica
+order the request router picks, an engine replica's health check, and that `nowait serve` and
+`nowait demo` never import Ray."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from nowait.engines.config import ArEngineConfig
+from nowait.gateway.config import ConfigError, parse_config
+from nowait.gateway.domain import Call, Metadata
+from nowait.router import DataClass
+from tests.gateway_support import save_tiny_models
+
+
+def test_serve_and_demo_never_import_ray():
+    code = ("import sys; from typer.testing import CliRunner; from nowait.cli import app; "
+            "runner = CliRunner(); "
+            "assert runner.invoke(app, ['serve', '--help']).exit_code == 0; "
+            "assert runner.invoke(app, ['demo', '--help']).exit_code == 0; "
+            "assert runner.invoke(app, ['fleet', '--help']).exit_code == 0; "
+            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_fleet_sections_parse_and_refuse_what_cannot_deploy():
+    config = parse_config({"engines": {"ar": {"kind": "ar", "fleet": {"replicas": {"min": 1, "max": 4},
+                                                                     "gpus_per_replica": 0.5,
+                                                                     "target_ongoing_requests": 16}}},
+                           "routing": {"fast_engine": None}, "fleet": {"port": 9000}})
+    fleet = config.engines["ar"].fleet
+    assert (fleet.replicas.min, fleet.replicas.max, fleet.gpus_per_replica) == (1, 4, 0.5)
+    assert (config.fleet.gateway_replicas, config.fleet.port, config.fleet.ray_address) == (2, 9000, None)
+    with pytest.raises(ConfigError, match=r"engines\.ar\.fleet\.replicas.*min \(3\) is more than replicas\.max"):
+        parse_config({"engines": {"ar": {"kind": "ar", "fleet": {"replicas": {"min": 3, "max": 2}}}},
+                      "routing": {"fast_engine": None}})
+    with pytest.raises(ConfigError, match=r"engines\.ar\.fleet\.gpu_per_replica"):
+        parse_config({"engines": {"ar": {"kind": "ar", "fleet": {"gpu_per_replica": 1}}},
+                      "routing": {"fast_engine": None}})
+
+
+def test_deployment_options_follow_the_fleet_section():
+    from nowait.fleet.deploy import engine_options, gateway_replicas
+
+    fixed = engine_options(ArEngineConfig(kind="ar", max_num_seqs=8, max_queue=4,
+                                          fleet={"replicas": {"min": 2, "max": 2}, "cpus_per_replica": 0.5}))
+    assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
+    assert fixed["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 0.0}
+    assert fixed["max_ongoing_requests"] == 8 + 4 + 1  # the replica answers its own 429
+    scaled = engine_options(ArEngineConfig(kind="ar", fleet={"replicas": {"min": 1, "max": 3},
+                                                             "target_ongoing_requests": 12}))
+    assert scaled["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 12}
+    assert engine_options(ArEngineConfig(kind="ar"))["num_replicas"] == 1  # no fleet section: one replica
+    sqlite = parse_config({"routing": {"fast_engine": None}, "engines": {"ar": {"kind": "ar"}}})
+    assert gateway_replicas(sqlite) == 1  # an embedded store is one process's
+    shared = parse_config({"routing": {"fast_engine": None}, "engines": {"ar": {"kind": "ar"}},
+                           "store": {"url": "postgresql://u:p@db/nowait"}, "fleet": {"gateway_replicas": 3}})
+    assert gateway_replicas(shared) == 3
+
+
+def test_router_prefers_the_least_loaded_and_the_affine_replica_when_close():
+    from nowait.fleet.router import preference, replica_load
+
+    assert replica_load({"running": 3, "waiting": 2}, None) == 5
+    assert replica_load({"running": 1, "waiting": 0}, 4) == 4  # Ray's newer count of requests sent since
+    loads = {"a": 5, "b": 1, "c": 3}
+    assert preference(loads, None, 2) == ["b", "c", "a"]
+    assert preference(loads, "c", 2) == ["c", "b", "a"]  # within the slack: its cache likely holds the prefix
+    assert preference(loads, "a", 2) == ["b", "c", "a"]  # too loaded: the shorter queue wins
+    assert preference(loads, "gone", 2) == ["b", "c", "a"]
+
+
+def test_affinity_key_is_the_prompt_beginning():
+    from nowait.fleet.backend import affinity_key
+
+    def chat(text: str) -> Call:
+        return Call("r", "chat", "ar", Metadata(None, 1.0, DataClass.internal, False),
+                    messages=[{"role": "system", "content": "x" * 300}, {"role": "user", "content": text}])
+
+    assert affinity_key(chat("one")) == affinity_key(chat("two"))  # the same long system prompt
+    assert affinity_key(chat("one")) != affinity_key(Call("r", "completions", "ar", chat("one").meta, prompt="y"))
+
+
+def test_an_engine_replica_whose_thread_died_fails_its_health_check(tmp_path, codec):
+    from nowait.fleet.replica import EngineReplica
+
+    models = save_tiny_models(tmp_path, codec)
+    replica = EngineReplica("ar", ArEngineConfig(kind="ar", model=models["ar"], max_num_seqs=2), 60.0, 8)
+    replica.check_health()  # serving
+    assert replica.load() == {"running": 0, "waiting": 0, "free_cache": 2, "pid": replica.load()["pid"]}
+    replica.backend.worker.stop()
+    with pytest.raises(RuntimeError, match="worker thread has stopped"):
+        replica.check_health()
