@@ -81,9 +81,10 @@ def _line(times: list[float], values: list[float]) -> tuple[float, float]:
     return slope, mean_v - slope * mean_t
 
 
-def trend(samples: list[Sample], metric: str) -> dict:
+def trend(samples: list[Sample], metric: str, floor: float | None = None) -> dict:
     """The series' first, middle and last values, its slope per hour over the second half, the
-    growth that slope makes over that half (absolute and in %), and whether it levels off."""
+    growth that slope makes over that half (absolute and in %), and whether it levels off
+    (`floor`: the absolute movement that is noise, FLOORS' by default)."""
     values = [getattr(s, metric) for s in samples]
     times = [s.t_s for s in samples]
     middle = times[-1] / 2
@@ -97,7 +98,7 @@ def trend(samples: list[Sample], metric: str) -> dict:
     return {"first": values[0], "middle": values[half[0]], "last": values[-1],
             "per_hour": round(slope * 3600, 3), "second_half_growth": round(growth, 3),
             "second_half_growth_pct": round(100 * growth / level, 3) if level > 0 else 0.0,
-            "levels_off": growth <= max(LEVEL_TOLERANCE * abs(level), FLOORS[metric])}
+            "levels_off": growth <= max(LEVEL_TOLERANCE * abs(level), FLOORS[metric] if floor is None else floor)}
 
 
 def tally(accepted: dict[str, list[str]], answered: dict[str, list[str]]) -> tuple[int, int]:
