@@ -86,7 +86,8 @@ class Dispatcher:
         try:
             return self.decide(call)
         except APIError as error:
-            self._account(Outcome(call, Decision("", f"refused: {error.message}", rule="none")), started, error)
+            refused = Decision("", f"refused: {error.message}", rule="none")
+            self._account(Outcome(call, refused, reason=refused.reason), started, error)
             raise
 
     async def complete(self, call: Call) -> Outcome:
