@@ -1,7 +1,8 @@
 """guidellm 0.8.1, unchanged, against `nowait serve`: its default backend validation (`GET /health`,
-vLLM's probe) passes, and a few synchronous requests in its default request format (streamed
-chat completions) all complete without an error. (Its `request_format=/v1/responses` runs
-against nowait too; the Responses API's own tests use the official client.)"""
+vLLM's probe) passes, and a few requests in its default request format (streamed chat
+completions), one at a time and two streams at once, all complete without an error. (Its
+`request_format=/v1/responses` runs against nowait too; the Responses API's own tests use the
+official client.)"""
 
 from __future__ import annotations
 
@@ -61,14 +62,15 @@ def answered(base: str, route: str) -> float:
     return 0.0
 
 
-def test_guidellm_run_completes_without_errors(serve, tmp_path):
+@pytest.mark.parametrize("profile", ["kind=synchronous", "kind=concurrent,streams=2"])
+def test_guidellm_run_completes_without_errors(serve, tmp_path, profile):
     base, checkpoint, _ = serve
     backend = f"kind=openai_http,target={base},model=ar,api_key={API_KEY}"
     before = answered(base, "ar")
     out = tmp_path / "guidellm.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     run = subprocess.run(
-        [str(BIN / "guidellm"), "run", "--backend", backend, "--profile", "kind=synchronous",
+        [str(BIN / "guidellm"), "run", "--backend", backend, "--profile", profile,
          "--constraint", f"kind=max_requests,count={REQUESTS}",
          "--data", "kind=synthetic_text,prompt_tokens=24,output_tokens=6",
          "--tokenizer", f"kind=huggingface_auto,model={checkpoint}",  # the checkpoint's own tokenizer.json
