@@ -173,6 +173,7 @@ def test_a_cancellation_on_one_replica_is_seen_by_the_other(replicas):
     assert b.answer(batch_id, claimed[0][0], 200, {"ok": 1}, "req-1")
     assert a.request_cancel(batch_id)
     assert b.status(batch_id) == "cancelling" and not b.request_cancel(batch_id)
+    assert b.claim(batch_id, "b/1", 10, LONG_LEASE_S) == []  # no line starts after the cancel
     assert b.answer(batch_id, claimed[1][0], 200, {"ok": 2}, "req-2")  # a line in flight is kept
     assert not b.mark_finalizing(batch_id)  # cancelling is not in_progress
     assert b.finalize(batch_id, "cancelled") and not a.finalize(batch_id, "cancelled")
@@ -203,6 +204,7 @@ def test_a_batch_past_its_window_expires_once_and_every_replica_sees_it(replicas
     assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("doc-2", "batch_expired"),
                                                                       ("doc-3", "batch_expired")]
     assert not b.answer(batch_id, 2, 200, {}, "late") and not b.request_cancel(batch_id)
+    assert a.claim(batch_id, "a/1", 10, LONG_LEASE_S) == []
 
 
 def test_concurrent_creates_and_cancels_on_two_replicas_leave_consistent_counts(replicas):

@@ -309,14 +309,17 @@ class BatchStore:
 
     def claim(self, batch_id: str, owner: str, count: int, lease_s: float) -> list[tuple[int, str, dict]]:
         """Rule 3: up to `count` unanswered lines whose lease is free or expired, leased to `owner`
-        for `lease_s` seconds (lowest line numbers first)."""
+        for `lease_s` seconds (lowest line numbers first); none once the batch is no longer
+        in_progress (read in the same statement, so no line starts after a cancel committed)."""
         if count <= 0:
             return []
         sql = (f"UPDATE batch_lines SET lease_owner = ?, lease_expires = {self._now} + ? WHERE batch_id = ? "
                f"AND line IN (SELECT line FROM batch_lines WHERE batch_id = ? AND status_code IS NULL "
-               f"AND (lease_expires IS NULL OR lease_expires < {self._now}) ORDER BY line LIMIT ?{self._skip_locked}) "
+               f"AND (lease_expires IS NULL OR lease_expires < {self._now}) AND EXISTS (SELECT 1 FROM batches "
+               f"WHERE id = ? AND status = 'in_progress') ORDER BY line LIMIT ?{self._skip_locked}) "
                "RETURNING line, custom_id, body")
-        rows = self._transaction(lambda db: db.execute(sql, (owner, lease_s, batch_id, batch_id, count)).fetchall())
+        rows = self._transaction(lambda db: db.execute(sql, (owner, lease_s, batch_id, batch_id, batch_id,
+                                                             count)).fetchall())
         return sorted((r["line"], r["custom_id"], json.loads(r["body"])) for r in rows)
 
     def renew(self, batch_id: str, owner: str, lines: list[int], lease_s: float) -> int:

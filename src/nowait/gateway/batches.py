@@ -156,10 +156,16 @@ class BatchRunner:
         store, in_flight = self.store, {}  # line -> its task
         owner = await asyncio.to_thread(store.owner, batch_id)
         renewer = asyncio.create_task(self._renew_leases(batch_id, in_flight))
+        loop, looked = asyncio.get_running_loop(), None  # when the status and the expiry were last read
         try:
-            while await asyncio.to_thread(store.status, batch_id) == "in_progress":
-                if await asyncio.to_thread(store.expire_due, batch_id):
-                    break
+            while True:
+                # Read once per POLL_S, not once per line: each read is a round trip to a shared
+                # store, and a claim itself takes no line of a batch no longer in_progress.
+                if looked is None or loop.time() - looked >= POLL_S:
+                    if await asyncio.to_thread(store.status, batch_id) != "in_progress" or \
+                            await asyncio.to_thread(store.expire_due, batch_id):
+                        break
+                    looked = loop.time()
                 free = self.max_concurrent - len(in_flight)
                 claimed = await asyncio.to_thread(store.claim, batch_id, self.lease_owner, free, self.lease_s)
                 for line, _custom_id, body in claimed:
