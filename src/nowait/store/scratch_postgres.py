@@ -1,4 +1,4 @@
-"""A private, throw-away PostgreSQL server: what the tests and `nowait bench load --replicas` run
+"""A private, throw-away PostgreSQL server: what the tests and `nowait bench load --stores` run
 the shared store against when no server is given.
 
 It runs the binaries of the local installation (`pg_config --bindir`, or the Debian path of
@@ -57,6 +57,7 @@ class ScratchPostgres:
 
     user: str = "nowait"
     database: str = "nowait"
+    durable: bool = False  # fsync on, as a production server (a benchmark's comparison with SQLite's)
 
     def __post_init__(self) -> None:
         self.bindir = find_bindir()
@@ -101,12 +102,15 @@ class ScratchPostgres:
                   f"--pwfile={password_file}", "--encoding=UTF8", "--no-sync")
         password_file.unlink()
         self.port = free_port()
-        options = (f"-c listen_addresses=127.0.0.1 -c port={self.port} -c unix_socket_directories={self._root} "
-                   "-c fsync=off -c max_connections=200")
-        self._run("pg_ctl", "-D", str(self.data_dir), "-l", str(self._root / "server.log"), "-o", options,
+        self._run("pg_ctl", "-D", str(self.data_dir), "-l", str(self._root / "server.log"), "-o", self._options(),
                   "-w", "-t", "60", "start")
         self._create_database()
         return self
+
+    def _options(self) -> str:
+        # fsync off by default: a test's data outlives no crash, and the tests run faster.
+        return (f"-c listen_addresses=127.0.0.1 -c port={self.port} -c unix_socket_directories={self._root} "
+                f"-c fsync={'on' if self.durable else 'off'} -c max_connections=200")
 
     def _create_database(self) -> None:
         import psycopg
@@ -129,8 +133,7 @@ class ScratchPostgres:
     def restart(self) -> None:
         """Stop and start again on the same port and data: clients lose their connections."""
         self.stop()
-        options = (f"-c listen_addresses=127.0.0.1 -c port={self.port} -c unix_socket_directories={self._root} "
-                   "-c fsync=off -c max_connections=200")
+        options = self._options()
         deadline = time.monotonic() + 30
         while True:
             try:
