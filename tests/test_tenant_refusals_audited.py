@@ -1,7 +1,7 @@
-"""A request refused before routing (over its key's rate limit, past its tenant's budget) still
-says who asked: it has an audit entry with its tenant, key id and code (never the secret), and it
-counts in nowait:tenant_requests_total{tenant,code} and nowait:request_errors_total, over HTTP
-and as a batch line. The chain stays whole."""
+"""A request refused before routing (over its key's rate limit, past its tenant's budget; a batch
+line whose key was revoked) still says who asked: it has an audit entry with its tenant, key id
+and code (never the secret), and it counts in nowait:tenant_requests_total{tenant,code} and
+nowait:request_errors_total, over HTTP and as a batch line. The chain stays whole."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from nowait.gateway.audit import read_audit_log, verify_audit_log
+from nowait.gateway.batches import BatchOwner
 from tests.tenant_support import ManualClock, chat, create_key, tenant_config, tenant_server
 from tests.test_tenant_metrics import samples
 
@@ -45,9 +46,21 @@ def run(tmp_path_factory, codec):
             assert time.monotonic() < deadline, batch.status
             time.sleep(0.05)
         assert batch.request_counts.failed == 1
+
+        # A batch whose key is revoked before its lines run: each line refused 401, for its owner.
+        revoked = create_key(server, "teamRevoked")
+        owned = server.client(api_key=revoked["key"]).files.create(
+            file=("in.jsonl", io.BytesIO((json.dumps(line) + "\n").encode())), purpose="batch")
+        server.gateway.keys.revoke(revoked["id"])
+        stored = server.gateway.store.create_batch(owned.id, "/v1/chat/completions", "24h", None,
+                                                   BatchOwner("teamRevoked", revoked["id"]))
+        server.gateway.runner.wake()
+        while server.gateway.store.status(stored.id) != "completed":
+            assert time.monotonic() < deadline + 60
+            time.sleep(0.05)
         metrics = httpx.get(f"{server.base_url}/metrics", timeout=30).text
         audit_path = server.config.audit_log_path
-    return {"busy": busy, "frugal": frugal, "metrics": metrics, "audit_path": audit_path}
+    return {"busy": busy, "frugal": frugal, "revoked": revoked, "metrics": metrics, "audit_path": audit_path}
 
 
 def test_refusals_before_routing_count_for_their_tenant(run):
@@ -56,6 +69,7 @@ def test_refusals_before_routing_count_for_their_tenant(run):
     assert requests[(("code", "429"), ("tenant", "teamBusy"))] == 1.0
     assert requests[(("code", "200"), ("tenant", "teamFrugal"))] == 1.0
     assert requests[(("code", "429"), ("tenant", "teamFrugal"))] == 2.0  # over HTTP and the batch line
+    assert requests[(("code", "401"), ("tenant", "teamRevoked"))] == 1.0  # its batch line
     errors = samples(run["metrics"], "nowait:request_errors_total")
     assert errors[(("code", "rate_limit_exceeded"), ("status", "429"))] == 1.0
     assert errors[(("code", "insufficient_quota"), ("status", "429"))] == 2.0  # each counted once
@@ -69,7 +83,10 @@ def test_refusals_before_routing_are_audited_with_tenant_and_key_id_never_the_se
                          ("teamFrugal", run["frugal"]["id"], "insufficient_quota", "chat")}
     assert len(refused) == 3
     assert all(e["cost_usd"] == 0 and e["engines_tried"] == [] and e["route"] is None for e in refused)
+    [line_refused] = [e for e in entries if e["tenant"] == "teamRevoked"]
+    assert (line_refused["status"], line_refused["code"], line_refused["key_id"]) == (
+        401, "invalid_api_key", run["revoked"]["id"])
     text = run["audit_path"].read_text()
-    assert run["busy"]["key"] not in text and run["frugal"]["key"] not in text
+    assert all(run[who]["key"] not in text for who in ("busy", "frugal", "revoked"))
     verdict = verify_audit_log(run["audit_path"])
     assert verdict.ok and verdict.entries == len(entries)

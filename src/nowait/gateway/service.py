@@ -123,7 +123,13 @@ class Gateway:
         batch's key: its models, floor, limits and budget."""
         defaults, data_class = self.config.defaults, self.config.batches.data_class
         try:
-            caller = await asyncio.to_thread(self.batch_caller, owner)
+            try:
+                caller = await asyncio.to_thread(self.batch_caller, owner)
+            except APIError as error:
+                if error.status == 401:  # the batch's key revoked or expired: who asked is still known
+                    self.dispatcher.refused(Caller(tenant=owner.tenant, key_id=owner.key_id), endpoint, error,
+                                            request_id)
+                raise
             CURRENT_CALLER.set(caller)  # this line's task only: the Calls below take it
             try:
                 self.limits.admit(caller)
