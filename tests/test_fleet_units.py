@@ -66,12 +66,14 @@ def test_router_prefers_the_least_loaded_and_the_affine_replica_when_close():
     from nowait.fleet.router import preference, replica_load
 
     assert replica_load({"running": 3, "waiting": 2}, None) == 5
-    assert replica_load({"running": 1, "waiting": 0}, 4) == 4  # Ray's newer count of requests sent since
+    assert replica_load({"running": 1, "waiting": 0}, 4, None) == 4  # a newer count of requests sent since
     loads = {"a": 5, "b": 1, "c": 3}
     assert preference(loads, None, 2) == ["b", "c", "a"]
     assert preference(loads, "c", 2) == ["c", "b", "a"]  # within the slack: its cache likely holds the prefix
     assert preference(loads, "a", 2) == ["b", "c", "a"]  # too loaded: the shorter queue wins
     assert preference(loads, "gone", 2) == ["b", "c", "a"]
+    ties = {tuple(preference({"a": 1, "b": 1}, None, 2)) for _ in range(50)}
+    assert ties == {("a", "b"), ("b", "a")}  # equal replicas share the work
 
 
 def test_affinity_key_is_the_prompt_beginning():
@@ -91,7 +93,31 @@ def test_an_engine_replica_whose_thread_died_fails_its_health_check(tmp_path, co
     models = save_tiny_models(tmp_path, codec)
     replica = EngineReplica("ar", ArEngineConfig(kind="ar", model=models["ar"], max_num_seqs=2), 60.0, 8)
     replica.check_health()  # serving
-    assert replica.load() == {"running": 0, "waiting": 0, "free_cache": 2, "pid": replica.load()["pid"]}
+    assert replica.load() == {"running": 0, "waiting": 0, "free_cache": 2, "served": 0, "pid": replica.load()["pid"]}
     replica.backend.worker.stop()
     with pytest.raises(RuntimeError, match="worker thread has stopped"):
         replica.check_health()
+
+
+def test_a_stream_resumed_on_another_replica_skips_what_the_client_has():
+    from types import SimpleNamespace
+
+    from nowait.fleet.backend import FleetStream, replayable
+    from nowait.gateway.domain import Sampling
+    from nowait.gateway.errors import APIError
+
+    def call(**sampling) -> Call:
+        return Call("r", "chat", "ar", Metadata(None, 1.0, DataClass.internal, False), sampling=Sampling(**sampling),
+                    messages=[{"role": "user", "content": "x"}])
+
+    assert replayable(call()) and replayable(call(temperature=0.0)) and replayable(call(temperature=0.8, seed=3))
+    assert not replayable(call(temperature=0.8))  # another replica would sample another answer
+    stream = FleetStream(SimpleNamespace(name="ar", in_flight=1), call(), 10.0, replies=None)
+    stream.sent, stream.again = "Hello wor", ""
+    assert stream._caught_up("Hel") == ""  # the client has it already
+    assert stream._caught_up("lo w") == ""
+    assert stream._caught_up("orld!") == "ld!"  # from where the client is
+    assert stream.again is None  # caught up: later deltas pass as they come
+    stream.sent, stream.again = "Hello", ""
+    with pytest.raises(APIError, match="differs from what was sent"):
+        stream._caught_up("Help")

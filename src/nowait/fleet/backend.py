@@ -3,8 +3,10 @@ go to the engine's Ray Serve deployment through a handle, and Ray's request rout
 picks the replica. The routing rule, fallback and accounting above it are `nowait serve`'s.
 
 A replica lost mid-request (killed, its node gone) is retried once on another replica when no
-token has reached the client yet; after one has, the stream ends with an error event (a retry
-would send the client a second answer's tokens). Retries count in `nowait:replica_retries_total`.
+token has reached the client yet; after one has, only a greedy or seeded request is (its text is
+the same on any replica: what the client has is checked and skipped); any other stream ends with
+an error event, since a retry would send it a second answer's tokens. Retries count in
+`nowait:replica_retries_total`.
 """
 
 from __future__ import annotations
@@ -150,14 +152,26 @@ class FleetBackend:
         return FleetStream(self, call, timeout_s, replies)
 
 
+def replayable(call: Call) -> bool:
+    """Greedy (or seeded) decoding gives the same tokens on any replica of one engine: a stream cut
+    mid-way can be run again elsewhere and resumed where the client is, once its text is checked."""
+    return not call.sampling.temperature or call.sampling.seed is not None
+
+
 class FleetStream:
-    """The deltas of one request streamed from a replica; closing it early cancels the request there."""
+    """The deltas of one request streamed from a replica; closing it early cancels the request there.
+
+    A replica lost before any token: the request runs on another. After some: a greedy or seeded
+    request runs again on another, its text up to what the client already has is checked and
+    skipped, and the stream goes on; otherwise (or if the text differs) it ends with an error event.
+    """
 
     def __init__(self, backend: FleetBackend, call: Call, timeout_s: float,
                  replies: DeploymentResponseGenerator) -> None:
         self.backend, self.call, self.timeout_s, self.replies = backend, call, timeout_s, replies
         self.attempt: Attempt | None = None
-        self.sent_any = False
+        self.sent = ""  # text the client has
+        self.again: str | None = None  # after a retry: the new replica's text while it catches up
         self._released = False
 
     async def _replies(self) -> AsyncIterator[Reply]:
@@ -168,20 +182,41 @@ class FleetStream:
                     yield reply
                 return
             except REPLICA_LOST as error:
-                if self.sent_any or retried:
+                if retried or (self.sent and not replayable(self.call)):
                     raise replica_lost(self.backend.name, error) from None
                 retried = True
                 self.backend._retrying(error)
                 self.replies, first = await self.backend._open(self.call, self.timeout_s)
                 first.raise_error()
+                if self.sent:
+                    self.again = ""
+
+    def _caught_up(self, text: str) -> str:
+        """The part of a retried replica's delta the client does not have yet ('' while catching up)."""
+        self.again += text
+        shorter = min(len(self.again), len(self.sent))
+        if self.again[:shorter] != self.sent[:shorter]:
+            raise self._differs()
+        if len(self.again) <= len(self.sent):
+            return ""
+        new, self.again = self.again[len(self.sent):], None
+        return new
+
+    def _differs(self) -> APIError:
+        return APIError(502, f"engine {self.backend.name!r}: the replica answering this stream was lost and "
+                             "another's answer differs from what was sent", type="server_error", code="replica_lost")
 
     async def deltas(self) -> AsyncIterator[str]:
         try:
             async for reply in self._replies():
                 if reply.kind == "delta":
-                    self.sent_any = True
-                    yield reply.text
+                    text = reply.text if self.again is None else self._caught_up(reply.text)
+                    if text:
+                        self.sent += text
+                        yield text
                 elif reply.kind == "done":
+                    if self.again is not None and self.again != self.sent:
+                        raise self._differs()  # ended short of the text already sent
                     self.attempt = self.backend._answered(reply)
                     return
                 elif reply.kind == "error":

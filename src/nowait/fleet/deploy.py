@@ -98,29 +98,45 @@ def _replica_load(actor_name: str) -> dict:
         return {}
 
 
-def fleet_status() -> dict:
-    """The engines' replicas (id, node, pid, state, running, waiting), the gateway replicas and the URL."""
+def _serve_details() -> dict:
     from ray.serve.context import _get_global_client  # the controller's details (what Ray's dashboard shows)
 
-    details = _get_global_client().get_serve_details()
+    return _get_global_client().get_serve_details()
+
+
+def engine_replicas(details: dict | None = None) -> dict[str, list[dict]]:
+    """Each engine's replicas: id, actor, node, pid, state and, for a running one, its full load
+    report (`EngineReplica.load`)."""
+    details = details or _serve_details()
+    app = (details.get("applications") or {}).get(APP_NAME) or {"deployments": {}}
+    engines = {}
+    for name, deployment in app["deployments"].items():
+        if name == GATEWAY:
+            continue
+        rows = []
+        for r in deployment.get("replicas") or []:
+            state = str(getattr(r.get("state"), "value", r.get("state")))  # RUNNING, STARTING, ...
+            rows.append({"id": r["replica_id"], "actor_name": r["actor_name"], "node": r.get("node_id"),
+                         "pid": r.get("pid"), "state": state,
+                         "load": _replica_load(r["actor_name"]) if state == "RUNNING" else {}})
+        engines[name.removeprefix("engine-")] = rows
+    return engines
+
+
+def fleet_status() -> dict:
+    """The engines' replicas (id, node, pid, state, running, waiting), the gateway replicas and the URL."""
+    details = _serve_details()
     app = (details.get("applications") or {}).get(APP_NAME)
     if app is None:
         return {"engines": [], "gateway_replicas": 0, "url": None}
     http = details.get("http_options") or {}
-    engines, gateways = [], 0
-    for name, deployment in app["deployments"].items():
-        replicas = deployment.get("replicas") or []
-        if name == GATEWAY:
-            gateways = sum(1 for r in replicas if r.get("state") == "RUNNING")
-            continue
-        rows = []
-        for r in replicas:
-            state = str(getattr(r.get("state"), "value", r.get("state")))  # RUNNING, STARTING, ...
-            load = _replica_load(r["actor_name"]) if state == "RUNNING" else {}
-            rows.append({"id": r["replica_id"], "node": r.get("node_id"), "pid": r.get("pid"), "state": state,
-                         "running": load.get("running", 0), "waiting": load.get("waiting", 0)})
-        engines.append({"name": name.removeprefix("engine-"), "replicas": rows})
-    return {"engines": engines, "gateway_replicas": gateways,
+    gateway = app["deployments"].get(GATEWAY) or {}
+    engines = [{"name": name, "replicas": [{"id": r["id"], "node": r["node"], "pid": r["pid"], "state": r["state"],
+                                            "running": r["load"].get("running", 0),
+                                            "waiting": r["load"].get("waiting", 0)} for r in rows]}
+               for name, rows in engine_replicas(details).items()]
+    return {"engines": engines,
+            "gateway_replicas": sum(1 for r in gateway.get("replicas") or [] if r.get("state") == "RUNNING"),
             "url": f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}"}
 
 

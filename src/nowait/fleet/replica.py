@@ -40,12 +40,15 @@ class EngineReplica:
             raise RuntimeError(f"engine {name!r} cannot serve: {backend.unavailable_reason}")
         self.backend = backend
         self.id = replica_id()
+        self.served = 0  # requests answered (the tests read which replicas served)
         backend.worker.start()  # what OwnedBackend.start does, from a constructor that is not async
 
     async def run(self, call: Call, timeout_s: float, affinity: str | None = None) -> Reply:
         """`affinity` is the request router's (router.py): it is not the engine's business."""
         try:
-            return Reply("done", attempt=await self.backend.run(call, timeout_s), replica=self.id)
+            attempt = await self.backend.run(call, timeout_s)
+            self.served += 1
+            return Reply("done", attempt=attempt, replica=self.id)
         except APIError as error:
             return Reply("error", error=error_fields(error), replica=self.id)
 
@@ -60,6 +63,7 @@ class EngineReplica:
             yield Reply("open", replica=self.id)
             async for text in stream.deltas():
                 yield Reply("delta", text=text)
+            self.served += 1
             yield Reply("done", attempt=stream.attempt, replica=self.id)
         except APIError as error:
             yield Reply("error", error=error_fields(error), replica=self.id)
@@ -71,7 +75,7 @@ class EngineReplica:
         backend = self.backend
         running, waiting = backend.running(), backend.waiting()
         return {"running": running, "waiting": waiting, "free_cache": max(0, backend.capacity - running),
-                "pid": os.getpid()}
+                "served": self.served, "pid": os.getpid()}
 
     def record_routing_stats(self) -> dict:
         """Ray Serve calls this every `request_routing_stats_period_s`; the router reads its answer."""

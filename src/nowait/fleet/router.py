@@ -9,7 +9,9 @@ The routing rule (which engine) stays the gateway's; this only picks among one e
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import random
+from collections import Counter, OrderedDict
+from collections.abc import Callable
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
@@ -17,15 +19,18 @@ DEFAULT_LOAD_SLACK = 2  # requests: closer than this, a likely cache hit beats t
 AFFINITY_ENTRIES = 4096  # prompt beginnings remembered (least recently routed forgotten first)
 
 
-def replica_load(stats: dict, in_flight: int | None) -> int:
-    """Requests on a replica: its report, or Ray's own count when that is higher (newer)."""
+def replica_load(stats: dict, *in_flight: int | None) -> int:
+    """Requests on a replica: its report (up to a stats period old), or a newer count of what was
+    sent to it (this router's own, Ray's probe) when that is higher."""
     reported = int(stats.get("running", 0)) + int(stats.get("waiting", 0))
-    return max(reported, in_flight or 0)
+    return max(reported, *(n or 0 for n in in_flight))
 
 
-def preference(loads: dict[ReplicaID, int], affine: ReplicaID | None, slack: int) -> list[ReplicaID]:
-    """Replicas from most to least preferred: by load, the affine one first when its load is close."""
-    order = sorted(loads, key=lambda r: (loads[r], str(r)))
+def preference(loads: dict[ReplicaID, int], affine: ReplicaID | None, slack: int,
+               tie: Callable[[], float] = random.random) -> list[ReplicaID]:
+    """Replicas from most to least preferred: by load (ties in random order, so equal replicas
+    share the work), the affine one first when its load is close."""
+    order = sorted(loads, key=lambda r: (loads[r], tie()))
     if affine in loads and loads[affine] <= loads[order[0]] + slack:
         order.remove(affine)
         order.insert(0, affine)
@@ -38,9 +43,12 @@ class NowaitRequestRouter(RequestRouter):
     def initialize_state(self, load_slack: int = DEFAULT_LOAD_SLACK, **kwargs) -> None:
         self.load_slack = load_slack
         self.affinity: OrderedDict[str, ReplicaID] = OrderedDict()
+        self.sent: Counter[ReplicaID] = Counter()  # requests this router has in flight, per replica
+        self.sent_to: dict[str, ReplicaID] = {}
 
     def _load(self, replica: RunningReplica) -> int:
-        return replica_load(replica.routing_stats or {}, self.replica_queue_len_cache.get(replica.replica_id))
+        rid = replica.replica_id
+        return replica_load(replica.routing_stats or {}, self.sent.get(rid), self.replica_queue_len_cache.get(rid))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -56,10 +64,18 @@ class NowaitRequestRouter(RequestRouter):
         return [[by_id[rid]] for rid in order]  # one per rank: Ray tries them in this order
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        if not hasattr(self, "sent"):  # initialize_state has not run
+            return
+        self.sent[replica_id] += 1
+        self.sent_to[pending_request.metadata.internal_request_id] = replica_id
         key = pending_request.kwargs.get("affinity")
-        if not key or not hasattr(self, "affinity"):
+        if not key:
             return
         self.affinity[key] = replica_id
         self.affinity.move_to_end(key)
         while len(self.affinity) > AFFINITY_ENTRIES:
             self.affinity.popitem(last=False)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        if self.sent_to.pop(internal_request_id, None) is not None and self.sent[replica_id] > 0:
+            self.sent[replica_id] -= 1

@@ -85,6 +85,9 @@ class GatewayMetrics:
         self.fallback_rate = Gauge("nowait:fallback_rate", "Share of this engine's answers re-run elsewhere", engine,
                                    registry=r)
         self.available = Gauge("nowait:engine_available", "1 when the engine can serve", engine, registry=r)
+        self.replica_retries = Counter("nowait:replica_retries", "Requests retried on another replica after theirs "
+                                       "was lost (a fleet's engines)", engine, registry=r)
+        self._retries_seen: dict[str, int] = {}
         self._lock = threading.Lock()
         self._answers: dict[str, int] = {}
         self._fell_back: dict[str, int] = {}
@@ -142,6 +145,7 @@ class GatewayMetrics:
         for backend in backends:
             name = backend.name
             self.available.labels(name).set(1.0 if backend.available else 0.0)
+            self._count_replica_retries(backend)
             if not backend.available:
                 continue
             self.running.labels(name).set(backend.running())
@@ -158,6 +162,20 @@ class GatewayMetrics:
             own = costs[fast]
             folded = own if rate == 0 else with_fallback(own, rate, fallback_cost)
             self.effective_cost_with_fallback.labels(fast).set(folded)
+
+    def _count_replica_retries(self, backend: Backend) -> None:
+        """A fleet backend counts its retries itself (it knows nothing of this registry); the
+        counter takes what it added since the last scrape."""
+        retries = getattr(backend, "replica_retries", None)
+        if retries is None:
+            return
+        added = retries - self._retries_seen.get(backend.name, 0)
+        if added > 0:
+            self.replica_retries.labels(backend.name).inc(added)
+            self._retries_seen[backend.name] = retries
+        elif backend.name not in self._retries_seen:
+            self.replica_retries.labels(backend.name)  # shown at 0 from the first scrape
+            self._retries_seen[backend.name] = 0
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
