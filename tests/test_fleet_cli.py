@@ -1,0 +1,60 @@
+"""`nowait fleet up CONFIG` on a local cluster it starts itself, `fleet status --json` in the
+issue's shape, and `fleet down`, after which none of that cluster's processes is left."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+import yaml
+
+from nowait.fleet.cluster import cluster_processes
+from tests.gateway_support import API_KEY, free_port, save_tiny_models
+
+pytest.importorskip("ray")
+
+
+def nowait(*args: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nowait.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+
+
+def test_fleet_up_status_down(tmp_path, codec):
+    models = save_tiny_models(tmp_path / "models", codec)
+    port = free_port()
+    config = {"auth": {"api_keys": [API_KEY], "api_keys_env": None}, "data_dir": str(tmp_path / "data"),
+              "engines": {"ar": {"kind": "ar", "model": models["ar"], "max_num_seqs": 4,
+                                 "fleet": {"cpus_per_replica": 0.5}}},
+              "routing": {"fast_engine": None}, "defaults": {"max_tokens": 4}, "fleet": {"port": port}}
+    (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(config))
+    env = {**os.environ, "NOWAIT_FLEET_STATE": str(tmp_path / "state.json"), "RAY_USAGE_STATS_ENABLED": "0"}
+    up = nowait("fleet", "up", str(tmp_path / "fleet.yaml"), "--num-cpus", "1", env=env)
+    state = json.loads((tmp_path / "state.json").read_text()) if up.returncode == 0 else {}
+    try:
+        assert up.returncode == 0, up.stderr[-2000:]
+        assert f"serving at http://127.0.0.1:{port}" in up.stdout
+        marker = state["local_cluster"]
+        assert cluster_processes(marker)  # the cluster's processes carry its marker
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
+                            headers={"Authorization": f"Bearer {API_KEY}"},
+                            json={"model": "ar", "messages": [{"role": "user", "content": "hi"}]})
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
+        status = nowait("fleet", "status", "--json", env=env)
+        assert status.returncode == 0, status.stderr[-2000:]
+        report = json.loads(status.stdout)
+        assert set(report) == {"engines", "gateway_replicas", "url"}
+        assert report["gateway_replicas"] == 1 and report["url"] == f"http://127.0.0.1:{port}"
+        [engine] = report["engines"]
+        assert engine["name"] == "ar" and len(engine["replicas"]) == 1
+        assert set(engine["replicas"][0]) == {"id", "node", "pid", "state", "running", "waiting"}
+        assert engine["replicas"][0]["state"] == "RUNNING"
+    finally:
+        if state:
+            down = nowait("fleet", "down", env=env)
+            assert down.returncode == 0, down.stderr[-2000:]
+    assert cluster_processes(state["local_cluster"]) == []  # no Ray process of that cluster is left
+    assert not (tmp_path / "state.json").exists()
