@@ -119,6 +119,8 @@ def register(app: typer.Typer) -> None:
         measure_seconds: float = typer.Option(3.0, "--measure-seconds", min=0.2, help="time budget of --measure-host"),
         check: Path = typer.Option(None, "--check", help="a `bench load --json` output: compare each engine's "
                                                          "predicted batch-1 latency with its synchronous run"),
+        fleet_out: Path = typer.Option(None, "--fleet-out", help="write the engines' fleet sections (replicas, GPUs, "
+                                                                 "target ongoing requests) for `nowait fleet up`"),
     ) -> None:
         """Plan the fleet: per workload the route, and per engine nodes, p99, utilization and cost per Mtok."""
         from nowait.planner.hardware import measure_host as measure
@@ -165,6 +167,13 @@ def register(app: typer.Typer) -> None:
             path = write_report(plan, report, command)
             if not as_json:
                 console.print(f"report: {path}", highlight=False)
+        if fleet_out is not None:
+            from nowait.planner.fleet_out import fleet_config
+
+            config, header = fleet_config(plan, f"nowait plan {scenario} --fleet-out {fleet_out}")
+            fleet_out.write_text(header + yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+            if not as_json:
+                console.print(f"fleet: {fleet_out}", highlight=False)
         if as_json:
             print(json.dumps(to_json(plan)))
             return
