@@ -5,7 +5,7 @@ Importing the package registers every bench command on `bench_app` (bench/app.py
 
 from __future__ import annotations
 
-from nowait.bench import batching, cache_modes, engines, physics  # noqa: F401 (their commands register on import)
+from nowait.bench import batching, cache_modes, engines, peers, physics  # noqa: F401 (their commands register on import)
 from nowait.bench.app import bench_app
 from nowait.bench.gateway import register as register_gateway_bench
 from nowait.bench.load import register as register_load_bench
