@@ -151,9 +151,18 @@ def batching(
     rounds: int = typer.Option(3, min=1, help="batched runs per concurrency, taking turns with parts of the "
                                               "one-at-a-time run (the median is reported)"),
     threads: int = typer.Option(None, min=1, help="CPU threads (default: torch's choice)"),
+    shape: str = typer.Option(None, help="time engine steps of a real model shape with random weights instead: "
+                                         "qwen2.5-0.5b, llama-3.2-1b, llama-3.1-8b, llada-8b, dream-7b"),
+    dtype: str = typer.Option("fp32", help="with --shape: fp32 or bf16"),
+    tokens_per_step: float = typer.Option(2.0, help="with --shape: tokens a diffusion step commits per row (a "
+                                                    "fixed policy: random weights give no meaningful confidence)"),
+    diffusion_concurrency: str = typer.Option("1,8", help="with --shape: batch sizes of the diffusion block step"),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
-    """Output tokens/s with continuous batching vs the same requests one at a time."""
+    """Output tokens/s with continuous batching vs the same requests one at a time. With --shape:
+    AR decode steps at each --concurrency and diffusion block steps at --diffusion-concurrency on
+    a random-weight model of that shape, beside the planner's predicted step times."""
     import torch
 
     from nowait.checkpoints import CheckpointError
@@ -170,8 +179,25 @@ def batching(
         raise typer.Exit(code=2)
     if threads:
         torch.set_num_threads(threads)
+    if shape:
+        from nowait.bench.shapes import run_shape_command, shape_cases
+
+        try:
+            diffusion_levels = tuple(int(x) for x in diffusion_concurrency.split(",") if x.strip())
+        except ValueError:
+            diffusion_levels = (0,)
+        if diffusion_levels and min(diffusion_levels) < 1:
+            typer.echo(f"error: --diffusion-concurrency must be positive integers, got {diffusion_concurrency!r}",
+                       err=True)
+            raise typer.Exit(code=2)
+        run_shape_command(shape, shape_cases(levels, diffusion_levels, tokens_per_step), dtype, device, 1.0,
+                          as_json)
+        return
     try:
-        loaded = ModelCache().load(model)
+        from nowait.checkpoints import check_device
+
+        check_device(device)
+        loaded = ModelCache().load(model, device=device)
     except CheckpointError as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(code=2) from None
@@ -190,7 +216,8 @@ def batching(
     if as_json:
         print(json.dumps({"results": results, "settings": {"model": str(loaded.path), "engine": engine,
                                                            "structured": structured, "max_tokens": max_tokens,
-                                                           "rounds": rounds, "threads": torch.get_num_threads()}}))
+                                                           "rounds": rounds, "threads": torch.get_num_threads(),
+                                                           "device": device}}))
         return
     for r in results:
         phases = (f"; decode phase {r['decode_speedup']}x, prefill {r['prefill_s']['sequential']:.2f} s of "

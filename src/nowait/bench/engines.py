@@ -38,6 +38,7 @@ class BenchContext:
 
     docs: list[Document]
     model_paths: dict[str, str] = field(default_factory=dict)  # role (ar, diffusion, draft) -> dir
+    device: str = "cpu"
     _loaded: dict[str, LoadedModel] = field(default_factory=dict)
 
     def model(self, role: str) -> LoadedModel:
@@ -48,7 +49,7 @@ class BenchContext:
 
         if role not in self._loaded:
             try:
-                self._loaded[role] = ModelCache().load(self.model_paths.get(role) or role)
+                self._loaded[role] = ModelCache().load(self.model_paths.get(role) or role, device=self.device)
             except CheckpointError as error:
                 raise BenchError(f"{role} model: {error}") from None
         return self._loaded[role]
@@ -280,6 +281,12 @@ def engines(
     only: str = typer.Option(None, help="comma-separated entries to run (default: "
                                         + ", ".join(DEFAULT_ENTRIES) + ")"),
     threads: int = typer.Option(None, min=1, help="CPU threads (default: torch's choice)"),
+    shape: str = typer.Option(None, help="time batch-1 engine steps of a real model shape with random weights "
+                                         "instead: qwen2.5-0.5b, llama-3.2-1b, llama-3.1-8b, llada-8b, dream-7b"),
+    dtype: str = typer.Option("fp32", help="with --shape: fp32 or bf16"),
+    tokens_per_step: float = typer.Option(2.0, help="with --shape: tokens a diffusion step commits (fixed policy)"),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N (spec and structured AR entries "
+                                                       "run on the CPU only)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Latency, forwards and accuracy of AR and the diffusion configurations, same documents.
@@ -301,16 +308,27 @@ def engines(
 
     if threads:
         torch.set_num_threads(threads)
+    if shape:
+        from nowait.bench.shapes import run_shape_command, shape_cases
+
+        run_shape_command(shape, shape_cases((1,), (1,), tokens_per_step), dtype, device, 1.0, as_json)
+        return
+    from nowait.checkpoints import check_device
+
+    try:
+        check_device(device)
+    except ValueError as error:
+        fail(str(error))
     names = [name.strip() for name in only.split(",") if name.strip()] if only else list(DEFAULT_ENTRIES)
     ctx = BenchContext(docs=documents(split, n, seed=seed),
-                       model_paths={"ar": ar_model, "diffusion": diffusion_model, "draft": draft_model})
+                       model_paths={"ar": ar_model, "diffusion": diffusion_model, "draft": draft_model}, device=device)
     err = Console(stderr=True)
     try:
         report = run_bench(ctx, names, progress=None if as_json else lambda name: err.print(f"bench {name} ..."))
     except ValueError as error:
         fail(str(error))
     report["settings"] = {"split": None if seed is not None else split, "seed": seed, "batch_size": 1,
-                          "threads": torch.get_num_threads(),
+                          "threads": torch.get_num_threads(), "device": device,
                           "models": {role: str(loaded.path) for role, loaded in ctx._loaded.items()}}
     if as_json:
         print(json.dumps(report))

@@ -57,31 +57,40 @@ def _time_best(run, budget_s: float, repeats: int = 50) -> float:
 
 
 @torch.no_grad()
-def time_case(config: ModelConfig, case: PhysicsCase, budget_s: float = 1.0) -> float:
+def time_case(config: ModelConfig, case: PhysicsCase, budget_s: float = 1.0, device: str = "cpu") -> float:
     """Seconds of one forward of `case` on a model of `config`'s shape (weights do not matter)."""
     shape = ModelConfig.from_dict({**config.to_dict(), "causal": case.causal})
-    model = Transformer(shape).eval()
+    with torch.device(device):
+        model = Transformer(shape).eval()
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, shape.vocab_size, (case.batch, case.new_tokens), generator=generator)
+    ids = torch.randint(0, shape.vocab_size, (case.batch, case.new_tokens), generator=generator).to(device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def timed(run) -> float:
+        def run_synced() -> None:  # a CUDA forward returns before it ends: wait for it inside the timing
+            run()
+            sync()
+        return _time_best(run_synced, budget_s)
+
     if not case.cached_tokens:
-        return _time_best(lambda: model(ids), budget_s)
-    cache = KVCache(shape, case.batch, case.cached_tokens + case.new_tokens)
-    model(torch.randint(0, shape.vocab_size, (case.batch, case.cached_tokens), generator=generator), cache)
+        return timed(lambda: model(ids))
+    cache = KVCache(shape, case.batch, case.cached_tokens + case.new_tokens, device=device)
+    model(torch.randint(0, shape.vocab_size, (case.batch, case.cached_tokens), generator=generator).to(device), cache)
     filled = cache.lengths.clone()
 
     def step() -> None:
         model(ids, cache, write_cache=case.causal)
         cache.lengths = filled.clone()  # every repetition decodes at the same context length
 
-    return _time_best(step, budget_s)
+    return timed(step)
 
 
 def measure(config: ModelConfig, peak_flops: float, bandwidth: float, cases: list[PhysicsCase] | None = None,
-            budget_s: float = 1.0, dtype_bytes: int = 4) -> dict:
+            budget_s: float = 1.0, dtype_bytes: int = 4, device: str = "cpu") -> dict:
     """The JSON of `nowait bench physics`: achieved FLOP/s, intensity and utilization per case."""
     results = []
     for case in cases or standard_cases():
-        seconds = time_case(config, case, budget_s)
+        seconds = time_case(config, case, budget_s, device)
         cost = config.forward_cost(case.new_tokens, case.cached_tokens, case.batch, dtype_bytes)
         achieved = cost.flops / seconds
         # Roofline (Williams et al. 2009): attainable = min(peak, intensity x bandwidth).
@@ -127,10 +136,16 @@ def physics(
     host_budget: float = typer.Option(3.0, help="seconds to measure the matmul peak and memory bandwidth"),
     report: Path = typer.Option(None, help="directory for roofline.png and physics.json"),
     threads: int = typer.Option(None, min=1, help="CPU threads (default: torch's choice)"),
+    shape: str = typer.Option(None, help="a real model shape with random weights instead of --model: "
+                                         "qwen2.5-0.5b, llama-3.2-1b, llama-3.1-8b, llada-8b, dream-7b"),
+    dtype: str = typer.Option("fp32", help="with --shape: fp32 or bf16"),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Achieved FLOP/s and arithmetic intensity of AR decode (batch 1 and 64) and of a diffusion
-    pass at batch 1 (with and without the prompt cache), against this machine's measured peak."""
+    pass at batch 1 (with and without the prompt cache), against this machine's measured peak.
+    With --shape: AR decode at batch 1/16/64 and a diffusion block of 32 over a cached prompt at
+    batch 1 and 8, each beside the planner's predicted step time."""
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
@@ -144,6 +159,17 @@ def physics(
         fail("--budget and --host-budget must be positive")
     if threads:
         torch.set_num_threads(threads)
+    if shape:
+        from nowait.bench.shapes import run_shape_command, shape_cases
+
+        run_shape_command(shape, shape_cases(), dtype, device, budget, as_json, host_budget)
+        return
+    from nowait.checkpoints import check_device
+
+    try:
+        check_device(device)
+    except ValueError as error:
+        fail(str(error))
     try:
         config = load_pretrained(paths.model_dir(model)).model.config
     except CheckpointError as error:
@@ -152,15 +178,21 @@ def physics(
     cases = standard_cases()
     with Progress(console=err, transient=as_json) as progress:
         task = progress.add_task("bench physics", total=len(cases) + 1)
-        host = measure_host(budget_s=host_budget, threads=threads or torch.get_num_threads())
+        if device.startswith("cuda"):
+            from nowait.bench.shapes import device_accelerator
+
+            host = device_accelerator(device, host_budget)
+        else:
+            host = measure_host(budget_s=host_budget, threads=threads or torch.get_num_threads())
         progress.advance(task)
         peak, bandwidth = host.peak_flops("fp32"), host.memory_bandwidth
         results = []
         for case in cases:
-            results.append(measure(config, peak, bandwidth, [case], budget)["cases"][0])
+            results.append(measure(config, peak, bandwidth, [case], budget, device=device)["cases"][0])
             progress.advance(task)
     result = {"peak_flops": peak, "bandwidth": bandwidth, "ridge_intensity": peak / bandwidth, "dtype_bytes": 4,
-              "threads": torch.get_num_threads(), "model": str(paths.model_dir(model)), "cases": results}
+              "threads": torch.get_num_threads(), "model": str(paths.model_dir(model)), "device": device,
+              "cases": results}
     if report:
         report.mkdir(parents=True, exist_ok=True)
         (report / "physics.json").write_text(json.dumps(result, indent=2) + "\n")
