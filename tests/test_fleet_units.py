@@ -121,3 +121,27 @@ def test_a_stream_resumed_on_another_replica_skips_what_the_client_has():
     stream.sent, stream.again = "Hello", ""
     with pytest.raises(APIError, match="differs from what was sent"):
         stream._caught_up("Help")
+
+
+def test_replica_totals_reach_the_metrics_with_a_replica_label():
+    from types import SimpleNamespace
+
+    from nowait.gateway.engine_stats import EngineStats
+    from nowait.gateway.metrics import GatewayMetrics
+    from nowait.router import RoutingPolicy
+
+    metrics = GatewayMetrics()
+    backend = SimpleNamespace(name="ar", available=True, running=lambda: 0, waiting=lambda: 0,
+                              stats=EngineStats(60.0, 1.0), replica_retries=1,
+                              replica_totals={"r1": (2, 10, 0.5), "r2": (1, 4, 0.25)})
+    policy = RoutingPolicy(owned_engines=("ar",), batch_engine="ar", fast_engine=None, fallback_engine="ar",
+                           owned_frontier_engine="ar")
+    metrics.refresh([backend], policy)
+    backend.replica_totals = {"r1": (3, 15, 0.75), "r2": (1, 4, 0.25)}
+    backend.replica_retries = 2
+    metrics.refresh([backend], policy)  # counters take what was added since the last scrape
+    text = metrics.render().decode()
+    assert 'nowait:replica_requests_total{engine="ar",replica="r1"} 3.0' in text
+    assert 'nowait:replica_generation_tokens_total{engine="ar",replica="r2"} 4.0' in text
+    assert 'nowait:replica_busy_seconds_total{engine="ar",replica="r1"} 0.75' in text
+    assert 'nowait:replica_retries_total{engine="ar"} 2.0' in text

@@ -66,6 +66,9 @@ class FleetBackend:
         self.stats = EngineStats(window_s, spec.node_usd_per_hour)
         self.in_flight = 0
         self.replica_retries = 0
+        # replica id -> (requests, output tokens, engine seconds) it answered for this gateway
+        # replica: the metrics' `replica` label; the engine's stats above are their sum.
+        self.replica_totals: dict[str, tuple[int, int, float]] = {}
 
     def may_receive(self, data_class: DataClass) -> bool:
         return True  # inside the building
@@ -88,6 +91,9 @@ class FleetBackend:
     def _answered(self, reply: Reply) -> Attempt:
         reply.raise_error()
         attempt = reply.attempt
+        requests, tokens, busy_s = self.replica_totals.get(reply.replica, (0, 0, 0.0))
+        self.replica_totals[reply.replica] = (requests + 1, tokens + attempt.completion_tokens,
+                                              busy_s + attempt.compute_s)
         self.stats.record(busy_s=attempt.compute_s, tokens=attempt.completion_tokens)
         self.stats.record_request(attempt.seconds)
         return attempt

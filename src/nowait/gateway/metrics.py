@@ -88,6 +88,15 @@ class GatewayMetrics:
         self.replica_retries = Counter("nowait:replica_retries", "Requests retried on another replica after theirs "
                                        "was lost (a fleet's engines)", engine, registry=r)
         self._retries_seen: dict[str, int] = {}
+        # A fleet's engines, per replica (the ids Ray Serve gives them): what each answered here.
+        replica = [*engine, "replica"]
+        self.replica_requests = Counter("nowait:replica_requests", "Requests a fleet engine's replica answered",
+                                        replica, registry=r)
+        self.replica_tokens = Counter("nowait:replica_generation_tokens", "Output tokens of a fleet engine's replica",
+                                      replica, registry=r)
+        self.replica_busy = Counter("nowait:replica_busy_seconds", "Engine seconds a fleet engine's replica spent on "
+                                    "the requests it answered (its share of each step)", replica, registry=r)
+        self._replica_seen: dict[tuple[str, str], tuple[int, int, float]] = {}
         self._lock = threading.Lock()
         self._answers: dict[str, int] = {}
         self._fell_back: dict[str, int] = {}
@@ -146,6 +155,7 @@ class GatewayMetrics:
             name = backend.name
             self.available.labels(name).set(1.0 if backend.available else 0.0)
             self._count_replica_retries(backend)
+            self._count_replicas(backend)
             if not backend.available:
                 continue
             self.running.labels(name).set(backend.running())
@@ -176,6 +186,16 @@ class GatewayMetrics:
         elif backend.name not in self._retries_seen:
             self.replica_retries.labels(backend.name)  # shown at 0 from the first scrape
             self._retries_seen[backend.name] = 0
+
+    def _count_replicas(self, backend: Backend) -> None:
+        """A fleet backend's per-replica totals (requests, tokens, busy seconds), added since the last scrape."""
+        for replica, (requests, tokens, busy_s) in dict(getattr(backend, "replica_totals", {})).items():
+            seen = self._replica_seen.get((backend.name, replica), (0, 0, 0.0))
+            labels = (backend.name, replica)
+            self.replica_requests.labels(*labels).inc(requests - seen[0])
+            self.replica_tokens.labels(*labels).inc(tokens - seen[1])
+            self.replica_busy.labels(*labels).inc(max(0.0, busy_s - seen[2]))
+            self._replica_seen[labels] = (requests, tokens, busy_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
