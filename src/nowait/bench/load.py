@@ -4,9 +4,11 @@
     nowait bench load --engine ar,diffusion --profile concurrent --rate 1,2,4,8 --profile-out bench.json
     nowait bench load --base-url http://vllm:8000 --model meta-llama/... --profile poisson --rate 0.5,1,2
     nowait bench load --base-url http://127.0.0.1:8000 --workload batch --max-requests 64
+    nowait bench load --workload batch --stores sqlite,postgresql,postgresql:2 --max-requests 64
 
 The target is either any OpenAI-compatible server (`--base-url`: the nowait gateway, vLLM, SGLang,
-an external API) or owned engines of a gateway config loaded in this process (`--engine`). The
+an external API), owned engines of a gateway config loaded in this process (`--engine`), or, for
+the batch workload, gateways the bench starts on each store of `--stores` (bench/load_stores.py). The
 figures, their definitions and how to feed the planner are in docs/bench.md. Argument errors,
 an unreachable server or an engine that cannot load are one line on stderr and exit code 2.
 """
@@ -79,11 +81,19 @@ def settings_from_arguments(**a) -> LoadSettings:
     from nowait.bench.load_http import TargetError, normalize_base_url
     from nowait.bench.load_workload import parse_kinds
 
+    if a["stores"] is not None:
+        if a["base_url"] is not None or a["engine"] is not None:
+            fail("--stores starts its own gateways on each store: leave out --base-url and --engine")
+        if a["workload"] != "batch":
+            fail("--stores compares stores on the Batch API: add --workload batch")
+        a["base_url"] = "http://127.0.0.1"  # checked as a target below; each run gets its gateway's
+    elif a["store"] is not None:
+        fail("--store names the PostgreSQL database of --stores")
     if (a["base_url"] is None) == (a["engine"] is None):
         fail("give exactly one target: --base-url URL (an OpenAI-compatible server) or --engine NAME (in process)")
     if a["model"] and a["engine"]:
         fail("--model names models at --base-url; with --engine the engine names are the models")
-    if a["config"] is not None and a["base_url"] is not None:
+    if a["config"] is not None and a["base_url"] is not None and a["stores"] is None:
         fail("--config configures in-process engines (--engine); a server at --base-url has its own")
     if a["workload"] not in WORKLOADS:
         fail(f"unknown workload {a['workload']!r}; choose one of: {', '.join(WORKLOADS)}")
@@ -193,10 +203,18 @@ def load(
     profile_out: Path = typer.Option(None, "--profile-out", help="write the planner profile (nowait plan --profile)"),
     profile_engine: str = typer.Option("ar", help="the engine kind of a server that does not say (vLLM, SGLang)"),
     hardware: str = typer.Option(None, help="what the profile says it was measured on"),
+    stores: str = typer.Option(None, "--stores", help="batch workload: gateways started on each store, side by "
+                                                      "side: sqlite, postgresql, postgresql:REPLICAS "
+                                                      "(comma-separated; --config is their config)"),
+    store: str = typer.Option(None, "--store", help="with --stores: the PostgreSQL database to use "
+                                                    "(postgresql://...; default: a private server)"),
 ) -> None:
     """Load-test a server or an engine: TTFT, ITL, e2e p50/p90/p99, tokens/s, goodput, accuracy."""
     arguments = dict(locals())
     settings = settings_from_arguments(**arguments)
+    if stores is not None:
+        _compare_stores(settings, stores, config, store, as_json)
+        return
     from rich.console import Console
 
     from nowait.bench.load_http import TargetError
@@ -245,6 +263,24 @@ def load(
         raise typer.Exit(code=130)
     if profile_error is not None:
         fail(profile_error)
+
+
+def _compare_stores(settings: LoadSettings, stores: str, config: Path | None, store: str | None, as_json: bool) -> None:
+    from nowait.bench.load_stores import parse_stores, print_stores_report, run_stores
+    from nowait.store.url import StoreError, parse_store_url
+
+    try:
+        runs = parse_stores(stores)
+        if store is not None and parse_store_url(store).kind != "postgresql":
+            fail(f"--store: {store!r} is not a postgresql:// URL")
+    except (ValueError, StoreError) as error:
+        fail(str(error))
+    with BarProgress(transient=as_json) as progress:
+        result = run_stores(settings, runs, config, store, progress)
+    if as_json:
+        print(json.dumps(result))
+    else:
+        print_stores_report(result)
 
 
 def register(bench_app: typer.Typer) -> None:
