@@ -34,9 +34,11 @@ def fleet(tmp_path_factory, codec):
     port = free_port()
     config = base_config(models, root / "data", port, routing={"fast_engine": None, "confidence_threshold": 0.0})
     config["engines"] = {"ar": {**config["engines"]["ar"], "max_queue": 64,
-                                "fleet": {"replicas": {"min": 2, "max": 2}, "cpus_per_replica": 0.5}}}
+                                "fleet": {"replicas": {"min": 2, "max": 2}, "cpus_per_replica": 0.5,
+                                          "gpus_per_replica": 0.5}}}
     config["fleet"] = {"port": port}
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # One logical GPU (no device behind it): the replicas' gpus_per_replica must be placed on it.
+    ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
     try:
         url = deploy(parse_config(config))
         yield url
@@ -54,6 +56,12 @@ def ar_replicas() -> list[dict]:
     from nowait.fleet.deploy import engine_replicas
 
     return engine_replicas()["ar"]
+
+
+def metric_lines(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
 
 
 def test_the_openai_client_suite_against_the_fleet(fleet):
@@ -102,6 +110,11 @@ def _ask(url: str, i: int, stream: bool, max_tokens: int = 12) -> str:
                                      max_tokens=max_tokens).choices[0].message.content
 
 
+def test_replicas_hold_the_resources_their_fleet_section_names(fleet):
+    assert ray.cluster_resources()["GPU"] == 1
+    assert ray.available_resources().get("GPU", 0) == 0  # two replicas x gpus_per_replica 0.5
+
+
 def test_two_ar_replicas_both_serve_under_concurrency(fleet):
     before = {r["id"]: r["load"].get("served", 0) for r in ar_replicas()}
     with ThreadPoolExecutor(8) as pool:
@@ -109,6 +122,11 @@ def test_two_ar_replicas_both_serve_under_concurrency(fleet):
     assert len(answers) == 32
     after = {r["id"]: r["load"].get("served", 0) for r in ar_replicas()}
     assert len(after) == 2 and all(after[r] > before.get(r, 0) for r in after), (before, after)
+    scraped = metric_lines(fleet)
+    for replica in after:  # every replica's numbers reach /metrics under its own label
+        assert scraped[f'nowait:replica_requests_total{{engine="ar",replica="{replica}"}}'] >= 1
+    per_replica = sum(v for k, v in scraped.items() if k.startswith("nowait:replica_generation_tokens_total{"))
+    assert per_replica == scraped['nowait:generation_tokens_total{engine="ar"}']  # the engine sums its replicas
 
 
 def test_a_replica_killed_mid_way_loses_no_request(fleet):
@@ -138,9 +156,7 @@ def test_a_replica_killed_mid_way_loses_no_request(fleet):
     assert errors == [] and len(done) == 100
 
 
-    scraped = httpx.get(f"{fleet}/metrics", timeout=30).text
-    retries = [line for line in scraped.splitlines() if line.startswith('nowait:replica_retries_total{engine="ar"}')]
-    assert retries and float(retries[0].split()[-1]) >= 1, retries
+    assert metric_lines(fleet)['nowait:replica_retries_total{engine="ar"}'] >= 1  # a request was on it
     deadline = time.monotonic() + 90  # Ray replaces the dead replica
     while time.monotonic() < deadline:
         replicas = ar_replicas()
