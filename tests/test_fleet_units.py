@@ -11,7 +11,7 @@ import pytest
 
 from nowait.engines.config import ArEngineConfig
 from nowait.gateway.config import ConfigError, parse_config
-from nowait.gateway.domain import Call, Metadata
+from nowait.gateway.domain import Attempt, Call, Metadata
 from nowait.router import DataClass
 from tests.gateway_support import save_tiny_models
 
@@ -145,3 +145,74 @@ def test_replica_totals_reach_the_metrics_with_a_replica_label():
     assert 'nowait:replica_generation_tokens_total{engine="ar",replica="r2"} 4.0' in text
     assert 'nowait:replica_busy_seconds_total{engine="ar",replica="r1"} 0.75' in text
     assert 'nowait:replica_retries_total{engine="ar"} 2.0' in text
+
+
+class _LostStreams:
+    """A FleetBackend's side of a stream whose replica dies after `before_loss`; a retry gets `after`."""
+
+    name = "ar"
+
+    def __init__(self, after: list[str]) -> None:
+        self.in_flight, self.replica_retries, self.after = 1, 0, after
+
+    def _retrying(self, error: BaseException) -> None:
+        self.replica_retries += 1
+
+    async def _open(self, call, timeout_s):
+        from nowait.fleet.replies import Reply
+
+        async def replies():
+            for text in self.after:
+                yield Reply("delta", text=text)
+            yield Reply("done", attempt=Attempt("ar", text="".join(self.after)), replica="r2")
+
+        return replies(), Reply("open", replica="r2")
+
+    def _answered(self, reply):
+        return reply.attempt
+
+
+async def _lost_after(texts: list[str]):
+    from ray.exceptions import ActorDiedError
+
+    from nowait.fleet.replies import Reply
+
+    for text in texts:
+        yield Reply("delta", text=text)
+    raise ActorDiedError()
+
+
+def _stream_through_a_lost_replica(temperature: float | None, after: list[str]) -> tuple[list[str], _LostStreams]:
+    import asyncio
+
+    from nowait.fleet.backend import FleetStream
+    from nowait.gateway.domain import Sampling
+
+    backend = _LostStreams(after)
+    call = Call("r", "chat", "ar", Metadata(None, 1.0, DataClass.internal, False),
+                sampling=Sampling(temperature=temperature), messages=[{"role": "user", "content": "x"}])
+    stream = FleetStream(backend, call, 10.0, _lost_after(["Hel", "lo"]))
+    got: list[str] = []
+
+    async def read() -> None:
+        async for text in stream.deltas():
+            got.append(text)
+
+    try:
+        asyncio.run(read())
+    finally:
+        assert backend.in_flight == 0  # its place is given back however the stream ends
+    return got, backend
+
+
+def test_a_greedy_stream_whose_replica_died_resumes_where_the_client_is():
+    got, backend = _stream_through_a_lost_replica(None, ["Hello", " world"])
+    assert got == ["Hel", "lo", " world"] and backend.replica_retries == 1
+
+
+def test_a_sampled_stream_whose_replica_died_ends_with_an_error():
+    from nowait.gateway.errors import APIError
+
+    with pytest.raises(APIError) as lost:
+        _stream_through_a_lost_replica(0.8, ["Hello", " world"])
+    assert lost.value.code == "replica_lost" and lost.value.status == 502
