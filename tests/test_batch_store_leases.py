@@ -15,7 +15,7 @@ import pytest
 
 from nowait.gateway.batch_store import BatchStore
 from nowait.store.database import PostgresDatabase
-from nowait.store.url import parse_store_url
+from nowait.store.url import StoreError, parse_store_url
 
 LONG_LEASE_S = 60.0
 
@@ -267,3 +267,15 @@ def test_concurrent_creates_and_cancels_on_two_replicas_leave_consistent_counts(
         if batch.status == "completed":
             assert unanswered == [] and counts.completed == lines
 
+
+
+def test_a_database_at_a_newer_batches_schema_is_refused_and_an_older_one_brought_up_to_date(replicas):
+    first = replicas()
+    batch_id = started_batch(first, 3)
+    first.db.transaction(lambda db: db.execute("UPDATE nowait_schema SET version = 0 WHERE component = 'batches'"))
+    again = replicas()  # its steps run again: they keep what is there
+    assert again.db.query("SELECT version FROM nowait_schema WHERE component = 'batches'")[0]["version"] == 1
+    assert again.counts(batch_id).total == 3
+    first.db.transaction(lambda db: db.execute("UPDATE nowait_schema SET version = 99 WHERE component = 'batches'"))
+    with pytest.raises(StoreError, match="batches schema is at version 99, newer than this nowait's 1"):
+        replicas()
