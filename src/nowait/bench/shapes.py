@@ -42,7 +42,11 @@ SHAPES: dict[str, tuple[dict, float, bool]] = {
     "dream-7b": ({"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
                   "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
                   "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}, 7.62e9, True),
+    # Not a published model: a few-MB shape that lets `scripts/gpu-check.sh --cpu-smoke` run every step on a CPU.
+    "tiny": ({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 512, "tie_word_embeddings": False}, 0.0, False),
 }
+REAL_SHAPES = tuple(name for name in SHAPES if name != "tiny")
 SHAPE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PROMPT_TOKENS = 170  # a typical extraction prompt of the demo corpus (bench physics uses the same)
 ANSWER_TOKENS = 160
@@ -64,7 +68,8 @@ def shape_config(name: str) -> ModelConfig:
 
 
 def published_parameters(name: str) -> float:
-    return SHAPES[name][1]
+    """The model card's count (the smoke shape's own count: it has no card)."""
+    return SHAPES[name][1] or float(shape_config(name).parameter_count())
 
 
 def build_model(config: ModelConfig, dtype: str = "fp32", device: str = "cpu") -> Transformer:
