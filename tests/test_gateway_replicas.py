@@ -2,7 +2,8 @@
 mid-batch leaves its lines to the other, and the output holds every line once; the database
 restarted mid-batch, the replicas reconnect and the batch completes; the database stopped while
 serving, the store's endpoints answer 503 with Retry-After and chat still answers; a store that
-cannot be used at start is one line and exit 2."""
+cannot be used at start (a wrong password, no server, a bad URL, a newer schema) is one line and
+exit 2."""
 
 from __future__ import annotations
 
@@ -229,8 +230,13 @@ def test_a_store_that_cannot_be_used_at_start_is_one_line_and_exit_2(tmp_path, m
     config = write_config(tmp_path, models, "sqlite:///unused.sqlite")
     wrong_password = postgres_server.url_for("nowait", password="not-the-password")
     unreachable = f"postgresql://nowait:secret-pw@127.0.0.1:{free_port()}/nowait"
+    newer = postgres_server.create_database(f"newer_{uuid.uuid4().hex[:8]}")
+    with psycopg.connect(newer, autocommit=True) as db:  # as a later nowait would leave it
+        db.execute("CREATE TABLE nowait_schema (component TEXT PRIMARY KEY, version INTEGER NOT NULL)")
+        db.execute("INSERT INTO nowait_schema VALUES ('batches', 99)")
     cases = ((wrong_password, "password authentication failed"), (unreachable, "127.0.0.1"),
-             ("mysql://user:secret-pw@host/db", "expected sqlite:///PATH or postgresql://"))
+             ("mysql://user:secret-pw@host/db", "expected sqlite:///PATH or postgresql://"),
+             (newer, "its batches schema is at version 99, newer than this nowait's"))
     started = [subprocess.Popen([NOWAIT, "serve", "--config", str(config), "--port", str(free_port()),
                                  "--store", store], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                for store, _ in cases]  # side by side: each pays the CLI's start-up
@@ -240,3 +246,4 @@ def test_a_store_that_cannot_be_used_at_start_is_one_line_and_exit_2(tmp_path, m
         lines = stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], (store, stderr)
         assert "not-the-password" not in stderr and "secret-pw" not in stderr
+        assert postgres_server.password not in stderr
