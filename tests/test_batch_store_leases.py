@@ -81,7 +81,8 @@ def test_claims_by_two_replicas_at_once_are_disjoint(replicas):
     every = [line for lines in claimed.values() for line in lines]
     assert sorted(every) == list(range(1, 201))  # every line once, none twice
     by_replica = {r: sum(len(v) for k, v in claimed.items() if k.startswith(r)) for r in ("replica-0", "replica-1")}
-    assert all(by_replica.values()), by_replica  # both took part
+    if a.db.dialect == "postgresql":  # SKIP LOCKED: both took part (SQLite's file lock may let one win all)
+        assert all(by_replica.values()), by_replica
     assert b.claim(batch_id, "late", 10, LONG_LEASE_S) == []  # all leased
 
 
