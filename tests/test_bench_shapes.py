@@ -81,3 +81,13 @@ def test_shape_command_prints_json(monkeypatch):
 
 def test_the_five_families_of_the_issue():
     assert REAL_SHAPES == ("qwen2.5-0.5b", "llama-3.2-1b", "llama-3.1-8b", "llada-8b", "dream-7b")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("command", [["physics"], ["batching"], ["engines", "--n", "1"], ["peers", "--n", "1"],
+                                     ["physics", "--shape", "tiny"]])
+def test_device_cuda_is_refused_in_one_line_without_cuda(command):
+    pytest.importorskip("transformers")  # peers checks for it first
+    result = CliRunner().invoke(app, ["bench", *command, "--device", "cuda"])
+    assert result.exit_code == 2, result.output
+    assert "CUDA is not available" in result.output

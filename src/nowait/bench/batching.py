@@ -165,7 +165,6 @@ def batching(
     a random-weight model of that shape, beside the planner's predicted step times."""
     import torch
 
-    from nowait.checkpoints import CheckpointError
     from nowait.engines.factory import ModelCache
     from nowait.extraction.corpus import documents
 
@@ -198,7 +197,7 @@ def batching(
 
         check_device(device)
         loaded = ModelCache().load(model, device=device)
-    except CheckpointError as error:
+    except ValueError as error:  # an unknown or absent device; CheckpointError is a ValueError too
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(code=2) from None
     if max_tokens is None:
