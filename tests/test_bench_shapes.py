@@ -85,7 +85,7 @@ def test_the_five_families_of_the_issue():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 @pytest.mark.parametrize("command", [["physics"], ["batching"], ["engines", "--n", "1"], ["peers", "--n", "1"],
-                                     ["physics", "--shape", "tiny"]])
+                                     ["physics", "--shape", "tiny"], ["cache-modes", "--n", "1"]])
 def test_device_cuda_is_refused_in_one_line_without_cuda(command):
     pytest.importorskip("transformers")  # peers checks for it first
     result = CliRunner().invoke(app, ["bench", *command, "--device", "cuda"])

@@ -68,6 +68,7 @@ def cache_modes(
     split: str = typer.Option("test", help="validation or test"),
     model: str = typer.Option("diffusion", help="diffusion checkpoint directory (default: the bundled model)"),
     threads: int = typer.Option(None, min=1, help="CPU threads (default: torch's choice)"),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Accuracy, forwards and latency of each diffusion cache mode, taking turns on each document;
@@ -77,7 +78,7 @@ def cache_modes(
     from rich.console import Console
     from rich.table import Table
 
-    from nowait.checkpoints import CheckpointError
+    from nowait.checkpoints import check_device
     from nowait.cli_errors import fail
     from nowait.engines.diffusion.request import DiffusionOptions
     from nowait.engines.factory import ModelCache
@@ -92,8 +93,9 @@ def cache_modes(
     if threads:
         torch.set_num_threads(threads)
     try:
-        loaded = ModelCache().load(model)
-    except CheckpointError as error:
+        check_device(device)
+        loaded = ModelCache().load(model, device=device)
+    except ValueError as error:  # an absent device, or a CheckpointError
         fail(str(error))
     if loaded.model.config.causal:
         fail(f"{model} is an AR model; cache modes are the diffusion engine's")
@@ -102,7 +104,7 @@ def cache_modes(
     configs = {name: replace(DiffusionOptions(), **CACHE_CONFIGS[name]) for name in names}
     results = measure_cache_modes(loaded.model.eval(), loaded.codec, documents(split, n), configs)
     report = {"modes": results, "n": n, "split": split, "batch_size": 1, "threads": torch.get_num_threads(),
-              "model": str(loaded.path)}
+              "device": device, "model": str(loaded.path)}
     if as_json:
         print(json.dumps(report))
         return
