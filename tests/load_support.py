@@ -39,7 +39,9 @@ def fake_openai_app(first_token_s: float = 0.01, token_gap_s: float = 0.002, tok
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await request.json()
-        app.state.received.append({"headers": dict(request.headers), "body": body})
+        # The client port tells one kept-alive connection from a new one per request.
+        app.state.received.append({"headers": dict(request.headers), "body": body,
+                                   "client_port": request.client.port if request.client else None})
         if body.get("model") != "fake-model":
             error = {"message": f"no model {body.get('model')}", "type": "invalid_request_error"}
             return JSONResponse({"error": error}, status_code=404)

@@ -63,6 +63,19 @@ def test_sweep_runs_synchronous_throughput_then_rates_between(fake):
     assert min(low, high) <= runs[2]["rate"] <= max(low, high)
 
 
+def test_streamed_requests_reuse_one_connection(fake):
+    # A stream left unread after `[DONE]` is closed with its connection: each request would then
+    # pay a new connection's set-up, inside its TTFT, which a pooling client (guidellm, the
+    # OpenAI SDK) does not.
+    url, app = fake
+    before = len(app.state.received)
+    result = bench("--base-url", url, "--max-requests", "4", "--no-warmup", "--no-schema", "--json")
+    assert result.exit_code == 0, result.output
+    assert last_json(result.stdout)["runs"][0]["successful"] == 4
+    sent = app.state.received[before:]
+    assert len(sent) == 4 and len({r["client_port"] for r in sent}) == 1
+
+
 def test_poisson_bounded_by_seconds_without_streaming(fake):
     url, _ = fake
     result = bench("--base-url", url, "--profile", "poisson", "--rate", "50", "--max-seconds", "0.3",

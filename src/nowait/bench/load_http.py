@@ -155,14 +155,18 @@ async def complete_chat(client: httpx.AsyncClient, base_url: str, request: LoadR
 
 
 async def sse_events(response: httpx.Response) -> AsyncIterator[dict | None]:
-    """The JSON events of an OpenAI-style server-sent-event stream, then None for `data: [DONE]`."""
+    """The JSON events of an OpenAI-style server-sent-event stream, then None for `data: [DONE]`;
+    read on to the body's end after it (what the OpenAI SDK does): a response left unread is
+    closed with its connection, so the next request would pay a new connection's set-up."""
+    done = False
     async for line in response.aiter_lines():
-        if not line.startswith("data:"):
+        if done or not line.startswith("data:"):
             continue
         data = line[5:].strip()
         if data == "[DONE]":
+            done = True
             yield None
-            return
+            continue
         yield json.loads(data)
 
 
@@ -172,7 +176,7 @@ async def stream_chat(client: httpx.AsyncClient, base_url: str, request: LoadReq
     record = RequestRecord(target=model, sent_s=time.perf_counter() - t0, done_s=0.0,
                            latency_target_s=request.latency_target_s, label=label)
     pieces: list[str] = []
-    chunks, info, usage, done = 0, None, None, False
+    chunks, info, usage, done, done_s = 0, None, None, False, None
     try:
         async with client.stream("POST", f"{base_url}/chat/completions", json=request.body(model, stream=True),
                                  headers=request.metadata.headers(), timeout=timeout_s) as response:
@@ -183,9 +187,9 @@ async def stream_chat(client: httpx.AsyncClient, base_url: str, request: LoadReq
                 return record
             route = response.headers.get(ROUTE_HEADER)
             async for event in sse_events(response):
-                if event is None:
-                    done = True
-                    break
+                if event is None:  # the answer is complete; the loop only drains the body now
+                    done, done_s = True, time.perf_counter() - t0
+                    continue
                 if "error" in event:  # an error after the first byte arrives as an event
                     record.error = str((event["error"] or {}).get("message") or event["error"])
                     break
@@ -200,7 +204,7 @@ async def stream_chat(client: httpx.AsyncClient, base_url: str, request: LoadReq
                 usage = event.get("usage") or usage
     except (httpx.HTTPError, ValueError) as error:
         record.status, record.error = (record.status if isinstance(error, ValueError) else 0), _reason(error)
-    record.done_s = time.perf_counter() - t0
+    record.done_s = time.perf_counter() - t0 if done_s is None else done_s
     if record.error is None and not done:
         record.error = "the stream ended without [DONE]"
     if record.error is not None:
