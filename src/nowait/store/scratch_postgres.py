@@ -10,6 +10,7 @@ the binaries run as that user (runuser).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -148,10 +149,8 @@ class ScratchPostgres:
     def close(self) -> None:
         if self._root is None:
             return
-        try:
+        with contextlib.suppress(RuntimeError):  # already stopped
             self.stop("immediate")
-        except RuntimeError:
-            pass  # already stopped
         shutil.rmtree(self._root, ignore_errors=True)
         self._root = None
 
