@@ -48,8 +48,14 @@ RUN_ELSEWHERE = {  # command -> the module whose test runs it for real through n
     "keys create": "test_tenants_keys.py",
     "keys list": "test_tenants_keys.py",
     "keys revoke": "test_tenants_keys.py",
+    "bench soak": "test_bench_soak.py",
+    "bench peers": "test_bench_peers.py",
+    # The fleet's commands run as a process (`python -m nowait.cli`), as a user runs them.
+    "fleet up": "test_fleet_cli.py",
+    "fleet status": "test_fleet_cli.py",
+    "fleet down": "test_fleet_cli.py",
 }
-GROUPS = {"bench", "audit", "keys"}
+GROUPS = {"bench", "audit", "keys", "fleet"}
 # Wide, so that rich never wraps an option's name across lines in the help panels.
 runner = CliRunner(env={"COLUMNS": "250"})
 
@@ -93,7 +99,7 @@ def test_every_command_and_group_answers_help(path):
 def test_the_modules_named_for_a_real_run_use_the_real_app():
     for command, module in RUN_ELSEWHERE.items():
         text = (ROOT / "tests" / module).read_text()
-        assert "from nowait.cli import app" in text, module
+        assert "from nowait.cli import app" in text or '"-m", "nowait.cli"' in text, module
         assert f'"{command.split()[-1]}"' in text, (command, module)
 
 
@@ -146,7 +152,8 @@ def test_bench_batching_compares_batched_and_one_at_a_time_runs(models):
     assert level["concurrency"] == 1 and level["outputs_identical"] is True
     assert 1 <= level["output_tokens"] <= 2 and level["batched_tokens_per_s"] > 0
     assert report["settings"] == {"model": str(models / "ar"), "engine": "ar", "structured": False,
-                                  "max_tokens": 2, "rounds": 1, "threads": report["settings"]["threads"]}
+                                  "max_tokens": 2, "rounds": 1, "threads": report["settings"]["threads"],
+                                  "device": "cpu"}
 
 
 def test_bench_gateway_measures_added_latency_and_streaming_clients(gateway_config):
