@@ -64,17 +64,38 @@ def swapped_codec(codec: TextCodec) -> TextCodec:
     return TextCodec(Tokenizer.from_str(json.dumps(data)))
 
 
-@pytest.fixture(scope="session")
-def postgres_server():
-    """One private PostgreSQL server for the session (fails, never skips, when PostgreSQL is missing)."""
+def _started_postgres():
+    """A private PostgreSQL server, started (fails, never skips, when PostgreSQL is missing)."""
     from nowait.store.scratch_postgres import PostgresNotFound, ScratchPostgres
 
     try:
-        server = ScratchPostgres().start()
+        return ScratchPostgres().start()
     except PostgresNotFound as error:
         pytest.fail(f"the PostgreSQL store's tests need a PostgreSQL server: {error}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """One private PostgreSQL server for the session."""
+    server = _started_postgres()
     yield server
     server.close()
+
+
+@pytest.fixture
+def private_postgres():
+    """A PostgreSQL server of one test's own, which the test may stop and restart."""
+    server = _started_postgres()
+    yield server
+    server.close()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request, tmp_path) -> str:
+    """The store URL of a test run on both stores: a SQLite file, then a fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'store.sqlite'}"
+    return request.getfixturevalue("postgres_url")
 
 
 @pytest.fixture

@@ -19,13 +19,6 @@ from nowait.store.database import StoreUnavailable, open_database
 from nowait.store.url import StoreError
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store_url(request, tmp_path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'store.sqlite'}"
-    return request.getfixturevalue("postgres_url")
-
-
 @pytest.fixture
 def database(store_url):
     db = open_database(store_url)

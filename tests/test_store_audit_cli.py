@@ -22,13 +22,6 @@ def invoke(*args: str):
     return runner.invoke(app, list(args), prog_name="nowait")
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store_url(request, tmp_path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'store.sqlite'}"
-    return request.getfixturevalue("postgres_url")
-
-
 def fill(url: str) -> None:
     """Two replicas' chains: teamA's answered requests on r1, teamB's and an error on r2."""
     database = open_database(url)

@@ -23,13 +23,6 @@ from nowait.store.url import StoreError
 runner = CliRunner()
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store_url(request, tmp_path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'store.sqlite'}"
-    return request.getfixturevalue("postgres_url")
-
-
 @pytest.fixture
 def two_replicas(store_url):
     """Two key stores on one database, each with its own connection(s), as two replicas hold."""

@@ -15,17 +15,6 @@ from nowait.gateway.audit.store_log import StoreAuditLog
 from nowait.gateway.audit.store_verify import verify_store
 from nowait.gateway.keys import KeySettings, SqlKeyStore
 from nowait.store.database import StoreUnavailable, open_database
-from nowait.store.scratch_postgres import PostgresNotFound, ScratchPostgres
-
-
-@pytest.fixture
-def private_postgres():
-    try:
-        server = ScratchPostgres().start()
-    except PostgresNotFound as error:
-        pytest.fail(f"the PostgreSQL store's tests need a PostgreSQL server: {error}", pytrace=False)
-    yield server
-    server.close()
 
 
 def test_a_restarted_database_loses_no_audit_entry_and_known_keys_keep_working(private_postgres, monkeypatch):
