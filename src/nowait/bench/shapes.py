@@ -135,17 +135,7 @@ def time_step(model: Transformer, case: StepCase, budget_s: float = 1.0, device:
             model(ids, cache, write_cache=case.causal)
             cache.lengths = filled.clone()
 
-        step()
-        _sync(device)
-        best, started = float("inf"), time.perf_counter()
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            step()
-            _sync(device)
-            best = min(best, time.perf_counter() - t0)
-            if time.perf_counter() - started > budget_s:
-                break
-        return best
+        return _best_time(step, device, budget_s, repeats)
     finally:
         config.causal = causal
 
@@ -160,10 +150,10 @@ def device_accelerator(device: str, budget_s: float = 3.0):
     peaks = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         a = torch.randn(8192, 8192, dtype=dtype, device=device)
-        peaks[name] = 2 * 8192**3 / _best_cuda(lambda a=a: a @ a, device, budget_s / 3) / 1e12
+        peaks[name] = 2 * 8192**3 / _best_time(lambda a=a: a @ a, device, budget_s / 3) / 1e12
     source = torch.empty(2**28, dtype=torch.float32, device=device)  # 1 GiB
     target = torch.empty_like(source)
-    bandwidth = 2 * source.numel() * 4 / _best_cuda(lambda: target.copy_(source), device, budget_s / 3) / 1e12
+    bandwidth = 2 * source.numel() * 4 / _best_time(lambda: target.copy_(source), device, budget_s / 3) / 1e12
     memory = torch.cuda.get_device_properties(device).total_memory / 1e9
     return Accelerator(name=torch.cuda.get_device_name(device), peak_tflops={k: float(f"{v:.4g}") for k, v in
                                                                                peaks.items()},
@@ -171,11 +161,12 @@ def device_accelerator(device: str, budget_s: float = 3.0):
                        source="measured by nowait bench --shape (torch matmul and copy)")
 
 
-def _best_cuda(run, device: str, budget_s: float) -> float:
+def _best_time(run, device: str, budget_s: float, repeats: int = 20) -> float:
+    """The best of up to `repeats` timed runs after one warm-up, stopping once `budget_s` is spent."""
     run()
     _sync(device)
     best, started = float("inf"), time.perf_counter()
-    for _ in range(20):
+    for _ in range(repeats):
         t0 = time.perf_counter()
         run()
         _sync(device)
