@@ -147,14 +147,19 @@ def test_an_empty_fast_answer_is_no_draft():
     assert slow.calls[0].draft_text is None
 
 
-@pytest.mark.parametrize(("confidence", "reruns"), [(0.9, False), (0.95, False), (0.8999, True), (None, False)])
-def test_the_threshold_is_inclusive_and_no_confidence_is_no_rerun(confidence, reruns):
+@pytest.mark.parametrize(("confidence", "reruns"), [(0.9, False), (0.95, False), (0.8999, True), (None, True)])
+def test_the_threshold_is_inclusive_and_no_confidence_reruns(confidence, reruns):
+    """An answer of unknown confidence (a remote fast engine whose upstream gave no logprobs)
+    does not pass as a confident one."""
     fast = FakeBackend("diffusion", answer=answer("diffusion", confidence=confidence))
     slow = FakeBackend("ar", answer=answer("ar"))
     dispatcher, metrics, _ = make(fast, slow)
     outcome = run(dispatcher.complete(make_call()))
     assert bool(slow.calls) is reruns and outcome.fallback is reruns
     assert metrics.fallback_share("diffusion") == (1.0 if reruns else 0.0)
+    if confidence is None:
+        assert outcome.fallback_cause == "confidence_unknown"
+        assert "diffusion gave no confidence (none reported): re-ran on ar" in outcome.reason
 
 
 def test_the_fallback_share_counts_every_fast_answer():

@@ -23,10 +23,11 @@ from dataclasses import dataclass, field, replace
 from nowait.gateway.audit.log import AuditLog
 from nowait.gateway.domain import Attempt, AttemptStream, Backend, Call
 from nowait.gateway.errors import APIError, engine_unavailable, forbidden_destination, unknown_model
+from nowait.gateway.logprobs import TextWithLogprobs
 from nowait.gateway.metrics import GatewayMetrics
 from nowait.gateway.prompts import conforms
 from nowait.gateway.remote import UpstreamFailure
-from nowait.gateway.workers import SCHEMA_UNSUPPORTED
+from nowait.gateway.workers import LOGPROBS_UNSUPPORTED, SCHEMA_UNSUPPORTED
 from nowait.router import DataClass, Decision, RoutingPolicy, failover, pin, route, should_fall_back
 
 
@@ -38,7 +39,8 @@ class Outcome:
     decision: Decision
     attempts: list[Attempt] = field(default_factory=list)
     reason: str = ""
-    fallback_cause: str | None = None  # confidence | invalid_output | upstream_failure | schema_unsupported
+    # confidence | confidence_unknown | invalid_output | upstream_failure | schema_unsupported | engine_failure
+    fallback_cause: str | None = None
 
     @property
     def fallback(self) -> bool:
@@ -77,6 +79,10 @@ class Dispatcher:
         if not backend.may_receive(call.meta.data_class):
             raise forbidden_destination(f"{DataClass(call.meta.data_class).value} data may not be sent to remote "
                                         f"engine {engine!r}")
+        if call.logprobs is not None and not getattr(backend, "logprobs", False):
+            # Never numbers made up here: an engine that cannot give them says so.
+            raise APIError(400, f"engine {engine!r} cannot return logprobs (only nowait's own engines do)",
+                           param="logprobs", code=LOGPROBS_UNSUPPORTED)
         return backend
 
     # --- non-streaming ---
@@ -139,7 +145,8 @@ class Dispatcher:
     def _note_failure(outcome: Outcome, error: APIError, alternative: str) -> None:
         outcome.attempts.append(Attempt(engine=outcome.decision.engine, finish_reason="error", outcome=error.message))
         outcome.fallback_cause = ("upstream_failure" if isinstance(error, UpstreamFailure) else
-                                  "schema_unsupported" if error.code == SCHEMA_UNSUPPORTED else "engine_failure")
+                                  "schema_unsupported" if error.code == SCHEMA_UNSUPPORTED else
+                                  "logprobs_unsupported" if error.code == LOGPROBS_UNSUPPORTED else "engine_failure")
         outcome.reason += f"; {error.message}: re-ran on {alternative}"
 
     def _alternative(self, decision: Decision, error: APIError) -> str | None:
@@ -152,13 +159,16 @@ class Dispatcher:
             return failover(decision.engine, self.policy)
         if decision.fallback_engine is None:
             return None
-        if error.code == SCHEMA_UNSUPPORTED or error.status in (429, 500, 503):
+        if error.code in (SCHEMA_UNSUPPORTED, LOGPROBS_UNSUPPORTED) or error.status in (429, 500, 503):
             return decision.fallback_engine
         return None
 
     def fallback_cause(self, attempt: Attempt, call: Call) -> tuple[str, str] | None:
         """(cause, sentence) when a fast-engine answer is not good enough to hand back, else None."""
-        if attempt.confidence is not None and should_fall_back(attempt.confidence, self.policy):
+        if attempt.confidence is None:  # an answer of unknown confidence does not pass as a confident one
+            return "confidence_unknown", (f"{attempt.engine} gave no confidence "
+                                          f"({attempt.confidence_missing or 'none reported'})")
+        if should_fall_back(attempt.confidence, self.policy):
             return "confidence", (f"{attempt.engine} confidence {attempt.confidence:.3g} is below "
                                   f"{self.policy.confidence_threshold:g}")
         if call.json_mode and not conforms(attempt.text, call.schema):
@@ -187,7 +197,9 @@ class Dispatcher:
                 self._account(outcome, started, error=APIError(499, "client closed the request", code="cancelled"))
                 raise
             self._account(outcome, started)
-            return StreamPlan(self, outcome, started, outcome.final.engine, replay=outcome.final.text)
+            final = outcome.final
+            replay = final.text if final.logprobs is None else TextWithLogprobs(final.text, final.logprobs)
+            return StreamPlan(self, outcome, started, outcome.final.engine, replay=replay)
         engine = decision.engine
         try:
             stream = await self.backend(engine, call).open_stream(call, self.timeout_s)
@@ -260,7 +272,7 @@ class StreamPlan:
 
     async def deltas(self) -> AsyncIterator[str]:
         if self.replay is not None:
-            if self.replay:
+            if self.replay or getattr(self.replay, "logprobs", None):
                 yield self.replay
             return
         try:

@@ -32,7 +32,8 @@ def build_backends(config: GatewayConfig,
     backends: dict[str, Backend] = {}
     for name, spec in config.engines.items():
         if isinstance(spec, RemoteEngineConfig):
-            remote = RemoteBackend(name, spec, config.metrics_window_s)
+            # The fast engine's answers need a confidence: its upstream is asked for token logprobs.
+            remote = RemoteBackend(name, spec, config.metrics_window_s, confidence=name == config.routing.fast_engine)
             if not remote.available:
                 log.warning("engine %r is not available: %s", name, remote.unavailable_reason)
                 backends[name] = UnavailableBackend(name, "remote", remote.unavailable_reason,

@@ -9,11 +9,16 @@ restricted request must not reach an external API even through a bug upstream of
 Failures are sorted for the dispatcher: the client's own mistakes (4xx but 429) are answered as
 they are; an unreachable, overloaded or failing upstream (connection error, timeout, 429, 5xx)
 raises `UpstreamFailure`, which the dispatcher may turn into a re-run on the owned frontier engine.
+
+The fast (diffusion) engine may be a remote one (`confidence=True`): its requests ask for the
+chosen tokens' logprobs, and its Attempts carry the confidence they give (remote_confidence.py),
+or none and why, which the dispatcher treats as too unsure to hand back.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import AsyncIterator
@@ -26,8 +31,11 @@ from nowait.gateway.domain import Attempt, Call
 from nowait.gateway.engine_stats import EngineStats
 from nowait.gateway.errors import APIError, forbidden_destination, queue_full
 from nowait.gateway.ledger import remote_cost_usd
+from nowait.gateway.remote_confidence import TokenLogprobs, logprob_fields
 from nowait.gateway.schemas import cached_tokens
 from nowait.router import DataClass, RemoteEngine
+
+log = logging.getLogger("nowait.gateway")
 
 
 class UpstreamFailure(APIError):
@@ -42,8 +50,10 @@ class RemoteBackend:
     kind = "remote"
 
     def __init__(self, name: str, config: RemoteEngineConfig, window_s: float,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
-        self.name, self.config = name, config
+                 transport: httpx.AsyncBaseTransport | None = None, confidence: bool = False) -> None:
+        """`confidence`: this upstream serves as the fast engine, whose answers need a confidence."""
+        self.name, self.config, self.confidence = name, config, confidence
+        self._warned_no_logprobs = False
         self.owned = config.on_premises
         self.stats = EngineStats(window_s)  # priced per token: no node price
         self.allowed = None if config.on_premises else RemoteEngine(name=name, data_classes=tuple(config.data_classes))
@@ -96,6 +106,9 @@ class RemoteBackend:
             body["stop"] = list(s.stop)
         if call.response_format is not None:
             body["response_format"] = call.response_format
+        if self.confidence:
+            for key, value in logprob_fields(call.endpoint).items():
+                body.setdefault(key, value)
         if stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}  # the ledger needs the token counts
@@ -111,7 +124,12 @@ class RemoteBackend:
             raise queue_full(self.name, 1)
 
     def _attempt(self, text: str, finish_reason: str, usage: dict | None, started: float,
-                 first_token_s: float | None, chunks: int = 0) -> Attempt:
+                 first_token_s: float | None, chunks: int = 0, logprobs: TokenLogprobs | None = None) -> Attempt:
+        confidence, missing = logprobs.confidence() if self.confidence and logprobs else (None, "")
+        if self.confidence and confidence is None and not self._warned_no_logprobs:
+            self._warned_no_logprobs = True  # once: each such answer is counted (fallbacks, cause confidence_unknown)
+            log.warning("fast engine %r: %s, so its answers have no confidence and re-run on the fallback engine",
+                        self.name, missing)
         usage = usage or {}
         prompt = int(usage.get("prompt_tokens") or 0)
         cached = cached_tokens(usage)
@@ -121,9 +139,8 @@ class RemoteBackend:
         self.stats.record(busy_s=seconds, tokens=completion, spend_usd=cost)
         self.stats.record_request(seconds)
         return Attempt(engine=self.name, text=text, finish_reason=finish_reason or "stop", prompt_tokens=prompt,
-                       cached_prompt_tokens=cached, completion_tokens=completion, confidence=None, seconds=seconds,
-                       first_token_s=first_token_s,
-                       cost_usd=cost)
+                       cached_prompt_tokens=cached, completion_tokens=completion, confidence=confidence,
+                       confidence_missing=missing, seconds=seconds, first_token_s=first_token_s, cost_usd=cost)
 
     @staticmethod
     def _client_error(response: httpx.Response) -> APIError:
@@ -153,13 +170,16 @@ class RemoteBackend:
             data = response.json()
             choice = data["choices"][0]
             text = choice["message"]["content"] if call.endpoint == "chat" else choice["text"]
+            logprobs = TokenLogprobs()
+            logprobs.add(choice.get("logprobs"))
         except httpx.HTTPError as error:
             raise UpstreamFailure(self.name, f"{type(error).__name__}: {error}") from None
         except (ValueError, KeyError, IndexError, TypeError) as error:
             raise UpstreamFailure(self.name, f"unreadable answer ({error!r})") from None
         finally:
             self.in_flight -= 1
-        return self._attempt(text or "", choice.get("finish_reason") or "stop", data.get("usage"), started, None)
+        return self._attempt(text or "", choice.get("finish_reason") or "stop", data.get("usage"), started, None,
+                             logprobs=logprobs)
 
     async def open_stream(self, call: Call, timeout_s: float) -> RemoteStream:
         """Returns once the upstream answered 200, so a refusal or an outage is still an HTTP error."""
@@ -191,6 +211,7 @@ class RemoteStream:
     async def deltas(self) -> AsyncIterator[str]:
         parts: list[str] = []
         finish, usage, first, chunks = "stop", None, None, 0
+        logprobs = TokenLogprobs()
         try:
             async for line in self.response.aiter_lines():
                 if not line.startswith("data:"):
@@ -205,13 +226,14 @@ class RemoteStream:
                 for choice in event.get("choices") or []:
                     piece = (choice.get("delta") or {}).get("content") if self.call.endpoint == "chat" \
                         else choice.get("text")
+                    logprobs.add(choice.get("logprobs"), has_text=bool(piece))
                     if piece:
                         first = first if first is not None else time.perf_counter() - self.started
                         chunks += 1
                         parts.append(piece)
                         yield piece
                     finish = choice.get("finish_reason") or finish
-            self.attempt = self.backend._attempt("".join(parts), finish, usage, self.started, first, chunks)
+            self.attempt = self.backend._attempt("".join(parts), finish, usage, self.started, first, chunks, logprobs)
         except httpx.HTTPError as error:
             raise UpstreamFailure(self.backend.name, f"{type(error).__name__}: {error}") from None
         except (ValueError, AttributeError, TypeError) as error:  # not JSON, or JSON of another shape
