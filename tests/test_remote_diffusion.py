@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -244,7 +245,7 @@ def test_completions_ask_for_the_chosen_tokens_logprobs_too(server, upstream):
     assert completion.model_extra["nowait"]["route"] == "ar"
 
 
-def test_the_remote_streams_own_logprobs_give_its_confidence(server, upstream):
+def test_the_remote_streams_own_logprobs_give_its_confidence(server, upstream, caplog):
     """A stream is relayed (not held) only where no fallback applies, but its Attempt still
     carries the confidence its chunks give."""
     live = server.gateway.backends["remote-diffusion"]
@@ -264,7 +265,12 @@ def test_the_remote_streams_own_logprobs_give_its_confidence(server, upstream):
     assert text == upstream.text and attempt.confidence == pytest.approx(math.exp(-0.05))
     assert upstream.received[-1]["stream"] is True and upstream.received[-1]["logprobs"] is True
     upstream.logprobs = None
-    assert asyncio.run(streamed())[1].confidence is None
+    with caplog.at_level(logging.WARNING, logger="nowait.gateway"):
+        assert asyncio.run(streamed())[1].confidence is None
+        asyncio.run(streamed())
+    warned = [r.getMessage() for r in caplog.records if "have no confidence" in r.getMessage()]
+    assert warned == ["fast engine 'remote-diffusion': the upstream returned no logprobs, so its answers have no "
+                      "confidence and re-run on the fallback engine"]  # once, not per answer
 
 
 def test_only_the_fast_engine_asks_for_logprobs(tmp_path, ar_model):
@@ -282,3 +288,4 @@ def test_the_vllm_diffusiongemma_example_loads_with_the_remote_as_fast_engine():
     assert fast.kind == "remote" and fast.on_premises and policy.fallback_engine in config.engines
     backends = build_backends(config, owned=lambda name, spec: UnavailableBackend(name, spec.kind, "not built", 60))
     assert isinstance(backends[policy.fast_engine], RemoteBackend) and backends[policy.fast_engine].confidence
+
