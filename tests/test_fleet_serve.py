@@ -122,11 +122,25 @@ def test_two_ar_replicas_both_serve_under_concurrency(fleet):
     assert len(answers) == 32
     after = {r["id"]: r["load"].get("served", 0) for r in ar_replicas()}
     assert len(after) == 2 and all(after[r] > before.get(r, 0) for r in after), (before, after)
+    # One request sent to the engine's deployment by another caller, as a second gateway replica
+    # would: the replicas count it, so this gateway's /metrics shows it too.
+    from ray import serve
+
+    from nowait.gateway.domain import Call, Metadata, Sampling
+    from nowait.router import DataClass
+
+    other = serve.get_deployment_handle("engine-ar", "nowait").options(method_name="run")
+    elsewhere = other.remote(Call("elsewhere", "chat", "ar", Metadata(None, 1.0, DataClass.internal, False),
+                                  sampling=Sampling(max_tokens=5), messages=[{"role": "user", "content": "Name: Bo"}]),
+                             30.0).result(timeout_s=60).attempt
     scraped = metric_lines(fleet)
     for replica in after:  # every replica's numbers reach /metrics under its own label
         assert scraped[f'nowait:replica_requests_total{{engine="ar",replica="{replica}"}}'] >= 1
     per_replica = sum(v for k, v in scraped.items() if k.startswith("nowait:replica_generation_tokens_total{"))
-    assert per_replica == scraped['nowait:generation_tokens_total{engine="ar"}']  # the engine sums its replicas
+    # The engine's tokens are its replicas' sum: this gateway's own and the other caller's.
+    assert per_replica == scraped['nowait:generation_tokens_total{engine="ar"}'] + elsewhere.completion_tokens
+    cost = sum(v for k, v in scraped.items() if k.startswith("nowait:replica_cost_usd_total{"))
+    assert cost == pytest.approx(scraped['nowait:cost_usd_total{engine="ar"}'] + elsewhere.cost_usd)
 
 
 def test_a_replica_killed_mid_way_loses_no_request(fleet):

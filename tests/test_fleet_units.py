@@ -99,6 +99,36 @@ def test_an_engine_replica_whose_thread_died_fails_its_health_check(tmp_path, co
         replica.check_health()
 
 
+def test_an_engine_replica_streams_few_objects_and_counts_its_own_totals(tmp_path, codec, monkeypatch):
+    import asyncio
+
+    from nowait.fleet import deltas
+    from nowait.fleet.replica import EngineReplica
+    from nowait.gateway.domain import Sampling
+
+    monkeypatch.setattr(deltas, "GROUP_WINDOW_S", 60.0)  # every delta after the first held to the end
+    models = save_tiny_models(tmp_path, codec)
+    replica = EngineReplica("ar", ArEngineConfig(kind="ar", model=models["ar"], max_num_seqs=2), 60.0, 8)
+    call = Call("r", "chat", "ar", Metadata(None, 1.0, DataClass.internal, False), sampling=Sampling(max_tokens=8),
+                messages=[{"role": "user", "content": "Name: Ann"}])
+
+    async def both():
+        replies = [reply async for reply in replica.stream(call, 30.0)]
+        return replies, await replica.run(call, 30.0)
+
+    try:
+        replies, unary = asyncio.run(both())
+    finally:
+        replica.backend.worker.stop()
+    kinds = [r.kind for r in replies]
+    assert kinds == ["open", "delta", "done"], kinds  # not one object per token
+    assert replies[1].text + replies[2].text == unary.attempt.text  # greedy: the same answer
+    assert unary.attempt.completion_tokens > 2
+    totals = replica.totals()
+    assert totals["requests"] == 2 and totals["generation_tokens"] == 2 * unary.attempt.completion_tokens
+    assert totals["replica"] == replica.id and totals["busy_seconds"] > 0
+
+
 def test_a_stream_resumed_on_another_replica_skips_what_the_client_has():
     from types import SimpleNamespace
 
@@ -130,21 +160,74 @@ def test_replica_totals_reach_the_metrics_with_a_replica_label():
     from nowait.gateway.metrics import GatewayMetrics
     from nowait.router import RoutingPolicy
 
+    def totals(requests: int, tokens: int, busy_s: float, running: int = 0) -> dict:
+        return {"requests": requests, "generation_tokens": tokens, "busy_seconds": busy_s, "cost_usd": busy_s / 10,
+                "running": running, "waiting": 0}
+
     metrics = GatewayMetrics()
     backend = SimpleNamespace(name="ar", available=True, running=lambda: 0, waiting=lambda: 0,
                               stats=EngineStats(60.0, 1.0), replica_retries=1,
-                              replica_totals={"r1": (2, 10, 0.5), "r2": (1, 4, 0.25)})
+                              replica_totals={"r1": totals(2, 10, 0.5), "r2": totals(1, 4, 0.25)})
     policy = RoutingPolicy(owned_engines=("ar",), batch_engine="ar", fast_engine=None, fallback_engine="ar",
                            owned_frontier_engine="ar")
     metrics.refresh([backend], policy)
-    backend.replica_totals = {"r1": (3, 15, 0.75), "r2": (1, 4, 0.25)}
+    backend.replica_totals = {"r1": totals(3, 15, 0.75, running=2), "r2": totals(1, 4, 0.25)}
     backend.replica_retries = 2
     metrics.refresh([backend], policy)  # counters take what was added since the last scrape
     text = metrics.render().decode()
     assert 'nowait:replica_requests_total{engine="ar",replica="r1"} 3.0' in text
     assert 'nowait:replica_generation_tokens_total{engine="ar",replica="r2"} 4.0' in text
     assert 'nowait:replica_busy_seconds_total{engine="ar",replica="r1"} 0.75' in text
+    assert 'nowait:replica_cost_usd_total{engine="ar",replica="r1"} 0.075' in text
+    assert 'nowait:replica_num_requests_running{engine="ar",replica="r1"} 2.0' in text
     assert 'nowait:replica_retries_total{engine="ar"} 2.0' in text
+    # Another gateway replica scraped later reads the same replica totals: its counters equal these.
+    other = GatewayMetrics()
+    other.refresh([backend], policy)
+    assert 'nowait:replica_requests_total{engine="ar",replica="r1"} 3.0' in other.render().decode()
+
+
+def test_stream_deltas_go_in_groups_the_first_at_once_the_rest_held_until_the_end_or_the_window():
+    import asyncio
+
+    from nowait.fleet.deltas import grouped
+
+    async def scenario(window_s: float) -> list[tuple[str, bool]]:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def deltas():
+            while (text := await queue.get()) is not None:
+                if isinstance(text, Exception):
+                    raise text
+                yield text
+
+        out = grouped(deltas(), window_s)
+        got = []
+        await queue.put("He")
+        got.append(await anext(out))  # the first delta at once, alone
+        for text in ("l", "lo", " wo"):
+            await queue.put(text)
+        await asyncio.sleep(0.01)
+        if window_s == 0:  # no window: the next send takes what arrived since
+            got.append(await anext(out))
+        await queue.put("rld")
+        await queue.put(None)
+        got.extend([item async for item in out])
+        return got
+
+    assert asyncio.run(scenario(60.0)) == [("He", False), ("llo world", True)]  # held until the stream ended
+    assert asyncio.run(scenario(0.0)) == [("He", False), ("llo wo", False), ("rld", True)]
+
+    async def failing() -> list:
+        async def deltas():
+            yield "a"
+            yield "b"
+            raise RuntimeError("engine failed")
+
+        return [item async for item in grouped(deltas(), 60.0)]
+
+    with pytest.raises(RuntimeError, match="engine failed"):
+        asyncio.run(failing())
 
 
 class _LostStreams:

@@ -66,9 +66,13 @@ class FleetBackend:
         self.stats = EngineStats(window_s, spec.node_usd_per_hour)
         self.in_flight = 0
         self.replica_retries = 0
-        # replica id -> (requests, output tokens, engine seconds) it answered for this gateway
-        # replica: the metrics' `replica` label; the engine's stats above are their sum.
-        self.replica_totals: dict[str, tuple[int, int, float]] = {}
+        # replica id -> its own totals (requests, output tokens, engine seconds, dollars, running,
+        # waiting), whichever gateway replica sent the requests: read from every replica at each
+        # scrape (refresh_replicas), so every gateway replica's /metrics shows the same numbers.
+        self.replica_totals: dict[str, dict] = {}
+        # One handle per method, made once: options() builds a new handle object each call.
+        self._run_handle = handle.options(method_name="run")
+        self._stream_handle = handle.options(method_name="stream", stream=True)
 
     def may_receive(self, data_class: DataClass) -> bool:
         return True  # inside the building
@@ -88,12 +92,21 @@ class FleetBackend:
     def _kwargs(self, call: Call) -> dict:
         return {"affinity": affinity_key(call) if self.prefix_affinity else None}
 
+    async def refresh_replicas(self, timeout_s: float = 5.0) -> None:
+        """Every running replica's own totals (`EngineReplica.totals`), for a metrics scrape; a
+        replica that does not answer in time keeps its last totals."""
+        try:
+            answers = await self.handle.broadcast("totals").results_async(timeout_s=timeout_s, return_exceptions=True)
+        except Exception as error:  # no replica running yet, or the controller busy: the last totals stand
+            log.warning("engine %s: replica totals not read (%s)", self.name, type(error).__name__)
+            return
+        for answer in answers:
+            if isinstance(answer, dict):
+                self.replica_totals[answer["replica"]] = answer
+
     def _answered(self, reply: Reply) -> Attempt:
         reply.raise_error()
         attempt = reply.attempt
-        requests, tokens, busy_s = self.replica_totals.get(reply.replica, (0, 0, 0.0))
-        self.replica_totals[reply.replica] = (requests + 1, tokens + attempt.completion_tokens,
-                                              busy_s + attempt.compute_s)
         self.stats.record(busy_s=attempt.compute_s, tokens=attempt.completion_tokens)
         self.stats.record_request(attempt.seconds)
         return attempt
@@ -107,7 +120,7 @@ class FleetBackend:
         self.in_flight += 1
         try:
             for attempt in range(2):
-                response = self.handle.options(method_name="run").remote(call, timeout_s, **self._kwargs(call))
+                response = self._run_handle.remote(call, timeout_s, **self._kwargs(call))
                 try:
                     # The replica times the engine out itself; the margin covers a replica that cannot answer.
                     reply = await asyncio.wait_for(response, timeout_s + 5)
@@ -128,7 +141,7 @@ class FleetBackend:
             self.in_flight -= 1
 
     async def _open(self, call: Call, timeout_s: float) -> tuple[DeploymentResponseGenerator, Reply]:
-        replies = self.handle.options(method_name="stream", stream=True).remote(call, timeout_s, **self._kwargs(call))
+        replies = self._stream_handle.remote(call, timeout_s, **self._kwargs(call))
         try:
             first = await asyncio.wait_for(replies.__anext__(), timeout_s + 5)
         except asyncio.TimeoutError:
@@ -215,12 +228,12 @@ class FleetStream:
     async def deltas(self) -> AsyncIterator[str]:
         try:
             async for reply in self._replies():
-                if reply.kind == "delta":
+                if reply.kind in ("delta", "done") and reply.text:  # done carries the text held since the last delta
                     text = reply.text if self.again is None else self._caught_up(reply.text)
                     if text:
                         self.sent += text
                         yield text
-                elif reply.kind == "done":
+                if reply.kind == "done":
                     if self.again is not None and self.again != self.sent:
                         raise self._differs()  # ended short of the text already sent
                     self.attempt = self.backend._answered(reply)

@@ -13,8 +13,9 @@ from collections.abc import AsyncIterator
 
 from nowait.engines.config import OwnedEngineSpec
 from nowait.engines.factory import ModelCache
+from nowait.fleet import deltas
 from nowait.fleet.replies import Reply, error_fields
-from nowait.gateway.domain import Call
+from nowait.gateway.domain import Attempt, Call
 from nowait.gateway.engines import build_owned
 from nowait.gateway.errors import APIError
 from nowait.gateway.owned import OwnedBackend
@@ -41,19 +42,29 @@ class EngineReplica:
         self.backend = backend
         self.id = replica_id()
         self.served = 0  # requests answered (the tests read which replicas served)
+        # Of the requests this replica answered, whichever gateway replica sent them: what the
+        # metrics' `replica` series show, the same from every gateway replica (totals()).
+        self.tokens, self.busy_s, self.cost_usd = 0, 0.0, 0.0
         backend.worker.start()  # what OwnedBackend.start does, from a constructor that is not async
 
     async def run(self, call: Call, timeout_s: float, affinity: str | None = None) -> Reply:
         """`affinity` is the request router's (router.py): it is not the engine's business."""
         try:
             attempt = await self.backend.run(call, timeout_s)
-            self.served += 1
+            self._count(attempt)
             return Reply("done", attempt=attempt, replica=self.id)
         except APIError as error:
             return Reply("error", error=error_fields(error), replica=self.id)
 
+    def _count(self, attempt: Attempt) -> None:
+        self.served += 1
+        self.tokens += attempt.completion_tokens
+        self.busy_s += attempt.compute_s
+        self.cost_usd += attempt.cost_usd
+
     async def stream(self, call: Call, timeout_s: float, affinity: str | None = None) -> AsyncIterator[Reply]:
-        """open (the engine accepted), deltas, then done; or an error, before or after open."""
+        """open (the engine accepted), deltas, then done (with the text held since the last delta);
+        or an error, before or after open. Deltas go in groups (deltas.py): fewer Ray objects."""
         try:
             stream = await self.backend.open_stream(call, timeout_s)
         except APIError as error:
@@ -61,10 +72,12 @@ class EngineReplica:
             return
         try:
             yield Reply("open", replica=self.id)
-            async for text in stream.deltas():
-                yield Reply("delta", text=text)
-            self.served += 1
-            yield Reply("done", attempt=stream.attempt, replica=self.id)
+            async for text, last in deltas.grouped(stream.deltas(), deltas.GROUP_WINDOW_S):
+                if last:
+                    self._count(stream.attempt)
+                    yield Reply("done", text=text, attempt=stream.attempt, replica=self.id)
+                else:
+                    yield Reply("delta", text=text)
         except APIError as error:
             yield Reply("error", error=error_fields(error), replica=self.id)
         finally:  # the gateway went away mid-stream: the engine stops decoding for it
@@ -76,6 +89,12 @@ class EngineReplica:
         running, waiting = backend.running(), backend.waiting()
         return {"running": running, "waiting": waiting, "free_cache": max(0, backend.capacity - running),
                 "served": self.served, "pid": os.getpid()}
+
+    def totals(self) -> dict:
+        """This replica's own counts since it started, and its load: what every gateway replica's
+        /metrics shows under its `replica` label (FleetBackend.refresh_replicas)."""
+        return {"replica": self.id, "requests": self.served, "generation_tokens": self.tokens,
+                "busy_seconds": self.busy_s, "cost_usd": self.cost_usd, **self.load()}
 
     def record_routing_stats(self) -> dict:
         """Ray Serve calls this every `request_routing_stats_period_s`; the router reads its answer."""

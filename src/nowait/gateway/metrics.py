@@ -96,7 +96,13 @@ class GatewayMetrics:
                                       replica, registry=r)
         self.replica_busy = Counter("nowait:replica_busy_seconds", "Engine seconds a fleet engine's replica spent on "
                                     "the requests it answered (its share of each step)", replica, registry=r)
-        self._replica_seen: dict[tuple[str, str], tuple[int, int, float]] = {}
+        self.replica_cost = Counter("nowait:replica_cost_usd", "Dollars of a fleet engine's replica's answers",
+                                    replica, registry=r)
+        self.replica_running = Gauge("nowait:replica_num_requests_running", "Requests a fleet engine's replica is "
+                                     "decoding", replica, registry=r)
+        self.replica_waiting = Gauge("nowait:replica_num_requests_waiting", "Requests queued on a fleet engine's "
+                                     "replica", replica, registry=r)
+        self._replica_seen: dict[tuple[str, str], tuple[float, ...]] = {}
         self._lock = threading.Lock()
         self._answers: dict[str, int] = {}
         self._fell_back: dict[str, int] = {}
@@ -188,14 +194,18 @@ class GatewayMetrics:
             self._retries_seen[backend.name] = 0
 
     def _count_replicas(self, backend: Backend) -> None:
-        """A fleet backend's per-replica totals (requests, tokens, busy seconds), added since the last scrape."""
-        for replica, (requests, tokens, busy_s) in dict(getattr(backend, "replica_totals", {})).items():
-            seen = self._replica_seen.get((backend.name, replica), (0, 0, 0.0))
+        """A fleet backend's replicas, each by its own totals since it started (the same whichever
+        gateway replica is scraped): counters take what was added since the last scrape."""
+        for replica, totals in dict(getattr(backend, "replica_totals", {})).items():
             labels = (backend.name, replica)
-            self.replica_requests.labels(*labels).inc(requests - seen[0])
-            self.replica_tokens.labels(*labels).inc(tokens - seen[1])
-            self.replica_busy.labels(*labels).inc(max(0.0, busy_s - seen[2]))
-            self._replica_seen[labels] = (requests, tokens, busy_s)
+            now = tuple(float(totals.get(k, 0)) for k in ("requests", "generation_tokens", "busy_seconds", "cost_usd"))
+            seen = self._replica_seen.get(labels, (0.0,) * len(now))
+            counters = (self.replica_requests, self.replica_tokens, self.replica_busy, self.replica_cost)
+            for counter, n, s in zip(counters, now, seen, strict=True):
+                counter.labels(*labels).inc(max(0.0, n - s))
+            self._replica_seen[labels] = tuple(max(n, s) for n, s in zip(now, seen, strict=True))
+            self.replica_running.labels(*labels).set(totals.get("running", 0))
+            self.replica_waiting.labels(*labels).set(totals.get("waiting", 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

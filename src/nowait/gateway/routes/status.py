@@ -41,6 +41,10 @@ async def readyz(request: Request) -> JSONResponse:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     gateway = gateway_of(request)
+    for backend in gateway.backends.values():
+        refresh_replicas = getattr(backend, "refresh_replicas", None)  # a fleet's engine: read its replicas' totals
+        if refresh_replicas is not None:
+            await refresh_replicas()
     gateway.metrics.refresh(gateway.backends.values(), gateway.policy)
     return Response(gateway.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
