@@ -277,9 +277,6 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 
 UNSUPPORTED = [  # (endpoint, fields added to a valid body, the param the refusal names)
-    ("chat", {"logprobs": True}, "logprobs"),
-    ("chat", {"top_logprobs": 2}, "logprobs"),
-    ("completions", {"logprobs": 1}, "logprobs"),
     ("chat", {"presence_penalty": 0.5}, "presence_penalty"),
     ("completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
     ("chat", {"tools": [TOOL]}, "tools"),

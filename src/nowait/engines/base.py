@@ -15,6 +15,7 @@ from typing import Literal, Protocol, runtime_checkable
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 # The seeds a torch.Generator takes: a 64-bit integer, signed or not.
 SEED_RANGE = (-(2**63), 2**64 - 1)
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs (and vLLM's default max_logprobs)
 
 
 class InvalidRequestError(ValueError):
@@ -29,6 +30,9 @@ class SamplingParams:
     top_k: int = 0  # 0: no top-k cut
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    # None: no logprobs (nothing computed); k >= 0: each output token's logprob and its k most
+    # likely alternatives (`TokenLogprob`), from the model's own softmax at temperature 1.
+    logprobs: int | None = None
 
     def validate(self) -> None:
         if self.max_tokens < 1:
@@ -41,6 +45,19 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise InvalidRequestError(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One output token's log probability under the engine's own distribution (log-softmax of the
+    logits at temperature 1, before any sampling cut or grammar mask), and the `top` most likely
+    tokens of the same distribution as (id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -102,6 +119,8 @@ class Completion:
     # True when the model generated an end token that ended the answer. `token_ids` and `text`
     # leave it out, but it cost a forward like any other token.
     ended_by_end_token: bool = False
+    # One per `token_ids` entry when the request asked for logprobs (`SamplingParams.logprobs`), else None.
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -129,6 +148,7 @@ class StreamChunk:
     text: str
     token_ids: list[int]
     completion: Completion | None = None
+    logprobs: list[TokenLogprob] | None = None  # of `token_ids`, when the request asked for them
 
 
 @runtime_checkable

@@ -10,6 +10,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping
 
+from nowait.engines.base import MAX_TOP_LOGPROBS
 from nowait.gateway.config import RequestDefaults
 from nowait.gateway.domain import Call, Metadata, Sampling
 from nowait.gateway.errors import bad_request
@@ -72,9 +73,40 @@ def metadata(options: NowaitRequestOptions | None, headers: Mapping[str, str], d
     )
 
 
+def _top_count(value: object, param: str) -> int:
+    """A top-logprobs count as OpenAI checks it: an integer in [0, 20], else a 400 with its code."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"Invalid type for '{param}': expected an integer, but got {value!r} instead.",
+                          param=param, code="invalid_type")
+    if value < 0:
+        raise bad_request(f"Invalid '{param}': integer below minimum value. Expected a value >= 0, but got "
+                          f"{value} instead.", param=param, code="integer_below_min_value")
+    if value > MAX_TOP_LOGPROBS:
+        raise bad_request(f"Invalid '{param}': integer above maximum value. Expected a value <= "
+                          f"{MAX_TOP_LOGPROBS}, but got {value} instead.", param=param, code="integer_above_max_value")
+    return value
+
+
+def chat_logprob_count(body: ChatCompletionRequest) -> int | None:
+    """Chat: `logprobs: true` asks, `top_logprobs` (0-20) adds alternatives, and needs it (as OpenAI)."""
+    if body.logprobs is not None and not isinstance(body.logprobs, bool):
+        raise bad_request(f"Invalid type for 'logprobs': expected a boolean, but got {body.logprobs!r} instead.",
+                          param="logprobs", code="invalid_type")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("Invalid value for 'top_logprobs': logprobs must be set to true when top_logprobs is "
+                          "given.", param="top_logprobs", code="invalid_value")
+    if not body.logprobs:
+        return None
+    return 0 if body.top_logprobs is None else _top_count(body.top_logprobs, "top_logprobs")
+
+
+def completion_logprob_count(body: CompletionRequest) -> int | None:
+    """Legacy completions: `logprobs` is itself the count of alternatives (OpenAI caps it at 5,
+    nowait, like vLLM, at 20)."""
+    return None if body.logprobs is None else _top_count(body.logprobs, "logprobs")
+
+
 def _refuse_unsupported(body: SamplingRequest) -> None:
-    if body.logprobs or getattr(body, "top_logprobs", None):
-        raise bad_request("logprobs are not supported by nowait", param="logprobs", code="unsupported_parameter")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name):
             raise bad_request(f"{name} is not supported by nowait", param=name, code="unsupported_parameter")
@@ -97,6 +129,7 @@ def chat_calls(body: ChatCompletionRequest, headers: Mapping[str, str], defaults
     if body.tools or body.tool_choice not in (None, "none"):
         raise bad_request("tools and tool_choice are not supported by nowait", param="tools",
                           code="unsupported_parameter")
+    logprobs = chat_logprob_count(body)
     messages = plain_messages(body.messages)
     schema, json_mode = response_schema(body.response_format)
     meta = metadata(body.nowait, headers, defaults, batch, batch_data_class)
@@ -105,7 +138,7 @@ def chat_calls(body: ChatCompletionRequest, headers: Mapping[str, str], defaults
         else None
     return [Call(request_id=f"{request_id}-{i}" if body.n > 1 else request_id, endpoint="chat", model=body.model,
                  meta=meta, sampling=_sampling(body, max_tokens, i), messages=messages, schema=schema,
-                 json_mode=json_mode, response_format=response_format) for i in range(body.n)]
+                 json_mode=json_mode, response_format=response_format, logprobs=logprobs) for i in range(body.n)]
 
 
 def prompts_of(body: CompletionRequest) -> list[str | list[int]]:
@@ -127,6 +160,7 @@ def completion_calls(body: CompletionRequest, headers: Mapping[str, str], defaul
     if body.echo or body.suffix or (body.best_of or 1) > 1:
         raise bad_request("echo, suffix and best_of are not supported by nowait", param="echo",
                           code="unsupported_parameter")
+    logprobs = completion_logprob_count(body)
     prompts = prompts_of(body)
     if body.stream and len(prompts) > 1:
         raise bad_request("several prompts are not supported with stream: true", param="prompt",
@@ -142,5 +176,5 @@ def completion_calls(body: CompletionRequest, headers: Mapping[str, str], defaul
             calls.append(Call(request_id=f"{request_id}-{index}" if len(prompts) * body.n > 1 else request_id,
                               endpoint="completions", model=body.model, meta=meta,
                               sampling=_sampling(body, body.max_tokens, i), prompt=prompt, schema=schema,
-                              json_mode=json_mode, response_format=response_format))
+                              json_mode=json_mode, response_format=response_format, logprobs=logprobs))
     return calls

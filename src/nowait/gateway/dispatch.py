@@ -23,10 +23,11 @@ from dataclasses import dataclass, field, replace
 from nowait.gateway.audit.log import AuditLog
 from nowait.gateway.domain import Attempt, AttemptStream, Backend, Call
 from nowait.gateway.errors import APIError, engine_unavailable, forbidden_destination, unknown_model
+from nowait.gateway.logprobs import TextWithLogprobs
 from nowait.gateway.metrics import GatewayMetrics
 from nowait.gateway.prompts import conforms
 from nowait.gateway.remote import UpstreamFailure
-from nowait.gateway.workers import SCHEMA_UNSUPPORTED
+from nowait.gateway.workers import LOGPROBS_UNSUPPORTED, SCHEMA_UNSUPPORTED
 from nowait.router import DataClass, Decision, RoutingPolicy, failover, pin, route, should_fall_back
 
 
@@ -78,6 +79,10 @@ class Dispatcher:
         if not backend.may_receive(call.meta.data_class):
             raise forbidden_destination(f"{DataClass(call.meta.data_class).value} data may not be sent to remote "
                                         f"engine {engine!r}")
+        if call.logprobs is not None and not getattr(backend, "logprobs", False):
+            # Never numbers made up here: an engine that cannot give them says so.
+            raise APIError(400, f"engine {engine!r} cannot return logprobs (only nowait's own engines do)",
+                           param="logprobs", code=LOGPROBS_UNSUPPORTED)
         return backend
 
     # --- non-streaming ---
@@ -140,7 +145,8 @@ class Dispatcher:
     def _note_failure(outcome: Outcome, error: APIError, alternative: str) -> None:
         outcome.attempts.append(Attempt(engine=outcome.decision.engine, finish_reason="error", outcome=error.message))
         outcome.fallback_cause = ("upstream_failure" if isinstance(error, UpstreamFailure) else
-                                  "schema_unsupported" if error.code == SCHEMA_UNSUPPORTED else "engine_failure")
+                                  "schema_unsupported" if error.code == SCHEMA_UNSUPPORTED else
+                                  "logprobs_unsupported" if error.code == LOGPROBS_UNSUPPORTED else "engine_failure")
         outcome.reason += f"; {error.message}: re-ran on {alternative}"
 
     def _alternative(self, decision: Decision, error: APIError) -> str | None:
@@ -153,7 +159,7 @@ class Dispatcher:
             return failover(decision.engine, self.policy)
         if decision.fallback_engine is None:
             return None
-        if error.code == SCHEMA_UNSUPPORTED or error.status in (429, 500, 503):
+        if error.code in (SCHEMA_UNSUPPORTED, LOGPROBS_UNSUPPORTED) or error.status in (429, 500, 503):
             return decision.fallback_engine
         return None
 
@@ -191,7 +197,9 @@ class Dispatcher:
                 self._account(outcome, started, error=APIError(499, "client closed the request", code="cancelled"))
                 raise
             self._account(outcome, started)
-            return StreamPlan(self, outcome, started, outcome.final.engine, replay=outcome.final.text)
+            final = outcome.final
+            replay = final.text if final.logprobs is None else TextWithLogprobs(final.text, final.logprobs)
+            return StreamPlan(self, outcome, started, outcome.final.engine, replay=replay)
         engine = decision.engine
         try:
             stream = await self.backend(engine, call).open_stream(call, self.timeout_s)
@@ -264,7 +272,7 @@ class StreamPlan:
 
     async def deltas(self) -> AsyncIterator[str]:
         if self.replay is not None:
-            if self.replay:
+            if self.replay or getattr(self.replay, "logprobs", None):
                 yield self.replay
             return
         try:

@@ -18,6 +18,7 @@ from nowait.router import DataClass, RouteRequest
 
 if TYPE_CHECKING:
     from nowait.gateway.engine_stats import EngineStats
+    from nowait.gateway.logprobs import LogprobEntry
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class Call:
     schema: dict | None = None  # JSON Schema the answer must satisfy (response_format)
     json_mode: bool = False  # response_format asked for JSON (json_object or json_schema)
     response_format: dict | None = None  # as the client sent it, for remote upstreams
+    logprobs: int | None = None  # None: not asked; k: each token's logprob and its k most likely alternatives
     arrival: float = field(default_factory=time.perf_counter)
     # On fallback: the fast engine's answer, which a speculative fallback engine verifies as its
     # draft (the output is still the fallback model's own); other engines ignore it.
@@ -95,6 +97,7 @@ class Attempt:
     forwards: int | None = None  # model forwards the answer took (owned engines; the load bench reads it)
     cost_usd: float = 0.0
     outcome: str = ""  # finish reason, or what went wrong
+    logprobs: list[LogprobEntry] | None = None  # of the answer's tokens, when the call asked
 
     def __post_init__(self) -> None:
         self.outcome = self.outcome or self.finish_reason

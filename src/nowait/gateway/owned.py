@@ -21,6 +21,7 @@ from nowait.gateway.domain import Attempt, Call
 from nowait.gateway.engine_stats import EngineStats
 from nowait.gateway.errors import APIError, bad_request, engine_unavailable, queue_full, timed_out
 from nowait.gateway.ledger import owned_cost_usd
+from nowait.gateway.logprobs import StreamLogprobs, TextWithLogprobs, TokenTexts, answer_entries
 from nowait.gateway.prompts import ANY_OBJECT, chat_prompt
 from nowait.gateway.workers import EngineWorker, Event, Ticket
 from nowait.router import DataClass
@@ -33,6 +34,7 @@ class OwnedBackend:
     owned = True
     available = True
     unavailable_reason = ""
+    logprobs = True  # the engines compute them (`nowait.engines.logprobs`)
 
     def __init__(self, name: str, kind: str, worker: EngineWorker, codec: TextCodec, max_model_len: int,
                  capacity: int, max_queue: int, node_usd_per_hour: float, default_max_tokens: int,
@@ -46,6 +48,7 @@ class OwnedBackend:
         self.default_max_tokens = default_max_tokens
         self.stats = worker.stats
         self.in_flight = 0  # accepted and not yet answered (event loop only)
+        self.token_texts = TokenTexts(codec)
 
     def may_receive(self, data_class: DataClass) -> bool:
         return True  # inside the building
@@ -97,7 +100,7 @@ class OwnedBackend:
         # The engine stops on every end id of the checkpoint itself (built with its end_ids).
         sampling = SamplingParams(max_tokens=limit if limit is not None else min(self.default_max_tokens, room),
                                   temperature=s.temperature or 0.0, top_p=s.top_p or 1.0, top_k=s.top_k or 0,
-                                  seed=s.seed)
+                                  seed=s.seed, logprobs=call.logprobs)
         schema = call.schema
         if self.kind == "diffusion" and schema == ANY_OBJECT:
             schema = None  # no template for "any object": decode free-form, the dispatcher checks the JSON
@@ -130,6 +133,8 @@ class OwnedBackend:
         self._reserve()
         ticket = Ticket(request, stream, call.sampling.stop, asyncio.get_running_loop(),
                         "messages" if call.endpoint == "chat" else "prompt")
+        if stream and call.logprobs is not None:
+            ticket.logprobs = StreamLogprobs(self.token_texts)
         self.worker.put(ticket)
         return ticket
 
@@ -142,7 +147,8 @@ class OwnedBackend:
                        confidence=completion.confidence, seconds=t.total_s, queued_s=t.queued_s,
                        first_token_s=t.first_token_s if completion.completion_tokens else None,
                        compute_s=ticket.compute_s, forwards=completion.forwards,
-                       cost_usd=owned_cost_usd(ticket.compute_s, self.node_usd_per_hour))
+                       cost_usd=owned_cost_usd(ticket.compute_s, self.node_usd_per_hour),
+                       logprobs=answer_entries(self.token_texts, completion.logprobs, completion.text))
 
     # --- the two ways to run ---
 
@@ -206,7 +212,7 @@ class OwnedStream:
                     except asyncio.TimeoutError:
                         raise timed_out(self.backend.name, self.timeout_s) from None
                 if event.kind == "delta":
-                    yield event.text
+                    yield event.text if event.logprobs is None else TextWithLogprobs(event.text, event.logprobs)
                 elif event.kind == "done":
                     self.attempt = self.backend.attempt(self.ticket, event.completion)
                     return

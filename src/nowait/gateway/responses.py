@@ -11,6 +11,7 @@ import json
 
 from nowait.gateway.dispatch import Outcome
 from nowait.gateway.errors import APIError
+from nowait.gateway.logprobs import LogprobEntry, chat_logprobs, completion_logprobs, delta_logprobs
 from nowait.gateway.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -59,14 +60,16 @@ def usage(outcomes: list[Outcome], prompts: int = 1) -> Usage:
 def chat_completion(response_id: str, model: str, outcomes: list[Outcome]) -> ChatCompletion:
     return ChatCompletion(
         id=response_id, model=model, usage=usage(outcomes), nowait=nowait_info(outcomes),
-        choices=[ChatChoice(index=i, message=AssistantMessage(content=o.final.text), finish_reason=finish_reason(o))
+        choices=[ChatChoice(index=i, message=AssistantMessage(content=o.final.text), finish_reason=finish_reason(o),
+                            logprobs=None if o.final.logprobs is None else chat_logprobs(o.final.logprobs))
                  for i, o in enumerate(outcomes)])
 
 
 def text_completion(response_id: str, model: str, outcomes: list[Outcome], prompts: int) -> TextCompletion:
     return TextCompletion(
         id=response_id, model=model, usage=usage(outcomes, prompts), nowait=nowait_info(outcomes),
-        choices=[CompletionChoice(index=i, text=o.final.text, finish_reason=finish_reason(o))
+        choices=[CompletionChoice(index=i, text=o.final.text, finish_reason=finish_reason(o),
+                                  logprobs=None if o.final.logprobs is None else completion_logprobs(o.final.logprobs))
                  for i, o in enumerate(outcomes)])
 
 
@@ -84,7 +87,7 @@ class ChunkWriter:
         self.endpoint, self.response_id, self.model, self.include_usage = endpoint, response_id, model, include_usage
 
     def _chunk(self, text: str | None, finish: str | None = None, role: bool = False,
-               info: NowaitInfo | None = None) -> dict:
+               info: NowaitInfo | None = None, logprobs: list[LogprobEntry] | None = None) -> dict:
         if self.endpoint == "chat":
             delta = ChatDelta(role="assistant" if role else None, content=text)
             chunk = ChatCompletionChunk(id=self.response_id, model=self.model, nowait=info,
@@ -92,14 +95,19 @@ class ChunkWriter:
         else:
             chunk = TextCompletion(id=self.response_id, model=self.model, nowait=info,
                                    choices=[CompletionChoice(index=0, text=text or "", finish_reason=finish)])
-        return chunk.model_dump(exclude_none=True) | ({"usage": None} if self.include_usage else {})
+        out = chunk.model_dump(exclude_none=True) | ({"usage": None} if self.include_usage else {})
+        if logprobs is not None:  # set after the dump, which would drop chat's "refusal": null
+            shape = chat_logprobs if self.endpoint == "chat" else completion_logprobs
+            out["choices"][0]["logprobs"] = shape(logprobs)
+        return out
 
     def opening(self) -> list[str]:
         """Chat streams open with the assistant role and no content (as OpenAI's do)."""
         return [sse(self._chunk("", role=True))] if self.endpoint == "chat" else []
 
     def delta(self, text: str) -> str:
-        return sse(self._chunk(text))
+        """One chunk; a delta with logprobs (`TextWithLogprobs`) carries those of its tokens."""
+        return sse(self._chunk(str(text), logprobs=delta_logprobs(text)))
 
     def closing(self, outcome: Outcome) -> list[str]:
         finish = self._chunk(None, finish=finish_reason(outcome), info=nowait_info([outcome]))

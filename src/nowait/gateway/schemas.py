@@ -2,7 +2,7 @@
 batches and error objects (the shapes of OpenAI's API reference, as vLLM's server models them).
 
 Requests accept unknown fields and ignore them, as OpenAI-compatible servers do, so a newer client
-still works; fields whose meaning nowait cannot honour (tools, logprobs, penalties) are refused in
+still works; fields whose meaning nowait cannot honour (tools, penalties) are refused in
 `calls.py` with a message naming them, never silently dropped. The `nowait` objects are the
 gateway's own additions: request metadata in, the routing explanation out.
 """
@@ -160,11 +160,37 @@ class AssistantMessage(OpenAIObject):
     refusal: str | None = None
 
 
+class TopLogprob(OpenAIObject):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(OpenAIObject):
+    """`choices[i].logprobs` of chat (nowait.gateway.logprobs builds it)."""
+
+    content: list[ChatTokenLogprob] | None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(OpenAIObject):
+    """`choices[i].logprobs` of legacy completions."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class ChatChoice(OpenAIObject):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(OpenAIObject):
@@ -187,7 +213,7 @@ class ChatChunkChoice(OpenAIObject):
     index: int
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(OpenAIObject):
@@ -204,7 +230,7 @@ class CompletionChoice(OpenAIObject):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class TextCompletion(OpenAIObject):

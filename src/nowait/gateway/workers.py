@@ -34,6 +34,7 @@ from nowait.engines.base import Completion, GenerationRequest, InvalidRequestErr
 from nowait.engines.diffusion import DiffusionEngine
 from nowait.gateway.engine_stats import EngineStats
 from nowait.gateway.errors import APIError, bad_request
+from nowait.gateway.logprobs import LogprobEntry, StreamLogprobs
 from nowait.tokenizer import TextCodec
 
 log = logging.getLogger("nowait.gateway")
@@ -41,6 +42,9 @@ log = logging.getLogger("nowait.gateway")
 # A diffusion engine cannot lay a template over a schema it cannot slot (nested objects, arrays):
 # the dispatcher may then re-run the request on AR instead of refusing it.
 SCHEMA_UNSUPPORTED = "schema_not_supported_by_engine"
+# An engine route that cannot give the logprobs asked for (a diffusion template's fixed pieces, a
+# remote upstream): a routed request may re-run on the fallback engine, a pinned one gets the 400.
+LOGPROBS_UNSUPPORTED = "logprobs_unsupported"
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,7 @@ class Event:
     text: str = ""
     completion: Completion | None = None
     error: BaseException | None = None
+    logprobs: list[LogprobEntry] | None = None  # a delta's tokens', when the request asked
 
 
 class Ticket:
@@ -70,6 +75,12 @@ class Ticket:
         self.checked_tokens = 0
         self.sent_text = ""
         self.holdback = max((len(s) for s in stop), default=1) - 1  # a stop string may be half-written
+        self.logprobs: StreamLogprobs | None = None  # set for a stream that asked for logprobs
+        self.streamed_logprobs: list = []  # a diffusion stream's token logprobs so far
+
+    def delta_logprobs(self, items: list | None, final: bool = False) -> list[LogprobEntry] | None:
+        """The logprob entries the delta just added to `sent_text` carries (None: not asked)."""
+        return None if self.logprobs is None else self.logprobs.take(items, len(self.sent_text), final)
 
     def emit(self, event: Event) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
@@ -80,6 +91,8 @@ def invalid(error: InvalidRequestError, where: str) -> APIError:
     message = str(error)
     if message.startswith("schema"):
         return APIError(400, message, param="response_format", code=SCHEMA_UNSUPPORTED)
+    if message.startswith("logprobs"):
+        return APIError(400, message, param="logprobs", code=LOGPROBS_UNSUPPORTED)
     return bad_request(message, param=where)
 
 
@@ -190,8 +203,10 @@ class EngineWorker:
     def _finish(self, ticket: Ticket, completion: Completion) -> None:
         if ticket.stream:
             rest = completion.text[len(ticket.sent_text):] if completion.text.startswith(ticket.sent_text) else ""
-            if rest:
-                ticket.emit(Event("delta", rest))
+            ticket.sent_text += rest
+            entries = ticket.delta_logprobs(completion.logprobs, final=True)
+            if rest or entries:
+                ticket.emit(Event("delta", rest, logprobs=entries))
         ticket.emit(Event("done", completion=completion))
 
 
@@ -299,8 +314,8 @@ class ArWorker(EngineWorker):
             return
         upto = len(text) - ticket.holdback
         if upto > len(ticket.sent_text) and text.startswith(ticket.sent_text):
-            ticket.emit(Event("delta", text[len(ticket.sent_text): upto]))
-            ticket.sent_text = text[:upto]
+            piece, ticket.sent_text = text[len(ticket.sent_text): upto], text[:upto]
+            ticket.emit(Event("delta", piece, logprobs=ticket.delta_logprobs(ticket.seq.token_logprobs)))
         ticket.sent_tokens = len(ids)
 
     def _fail_step(self, error: APIError) -> None:
@@ -370,8 +385,9 @@ class DiffusionWorker(EngineWorker):
             if chunk.completion is not None:
                 return chunk.completion
             if chunk.text:
-                ticket.emit(Event("delta", chunk.text))
                 ticket.sent_text += chunk.text
+                ticket.streamed_logprobs += chunk.logprobs or []
+                ticket.emit(Event("delta", chunk.text, logprobs=ticket.delta_logprobs(ticket.streamed_logprobs)))
         return None
 
     def _fail_step(self, error: APIError) -> None:

@@ -26,6 +26,7 @@ from nowait.engines.ar.sampling import SamplingBatch, choose_tokens, mask_logits
 from nowait.engines.ar.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from nowait.engines.ar.sequence import Sequence
 from nowait.engines.base import Completion, GenerationRequest, InvalidRequestError, StreamChunk
+from nowait.engines.logprobs import row_logprobs
 from nowait.model import KVCache, Transformer
 from nowait.tokenizer import TextCodec
 
@@ -254,12 +255,14 @@ class AutoregressiveEngine:
                 self.step()
             if seq.is_finished:
                 completion = self._completed.pop(seq.seq_id)
-                yield StreamChunk(completion.text[len(sent_text):], seq.output_ids[sent_tokens:], completion)
+                yield StreamChunk(completion.text[len(sent_text):], seq.output_ids[sent_tokens:], completion,
+                                  seq.logprobs_from(sent_tokens))
                 return
             if len(seq.output_ids) > sent_tokens:
                 text = self._decode_text(seq.output_ids)
                 if not text.endswith("\ufffd"):
-                    yield StreamChunk(text[len(sent_text):], seq.output_ids[sent_tokens:])
+                    yield StreamChunk(text[len(sent_text):], seq.output_ids[sent_tokens:],
+                                      logprobs=seq.logprobs_from(sent_tokens))
                     sent_tokens, sent_text = len(seq.output_ids), text
 
     # --- one step ---
@@ -322,9 +325,11 @@ class AutoregressiveEngine:
             params = SamplingBatch.from_params([s.request.sampling for s in seqs])
             tokens = choose_tokens(self._apply_grammar(seqs, logits), params, [s.generator for s in seqs])
         confidences = token_probability(logits, tokens).tolist()
+        # Raw logits (before the grammar mask), as the confidences; only rows that ask pay for it.
+        logprobs = row_logprobs(logits, tokens, [s.request.sampling.logprobs for s in seqs])
         now = time.perf_counter()
-        for seq, token, confidence in zip(seqs, tokens.tolist(), confidences, strict=True):
-            seq.append_token(token, confidence, now)
+        for seq, token, confidence, logprob in zip(seqs, tokens.tolist(), confidences, logprobs, strict=True):
+            seq.append_token(token, confidence, now, logprob)
 
     def _retire(self, finished: list[Sequence]) -> None:
         if not finished:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nowait.engines.base import Completion, FinishReason, GenerationRequest, Timings
+from nowait.engines.base import Completion, FinishReason, GenerationRequest, Timings, TokenLogprob
 
 if TYPE_CHECKING:
     from nowait.engines.ar.prompt_lookup import PromptLookup
@@ -47,6 +47,8 @@ class Sequence:
         self.output_ids: list[int] = []
         self.token_confidences: list[float] = []
         self.stop_confidence: float | None = None  # the probability of the stop token, when one ended it
+        # One per output token when the request asked for logprobs, else None.
+        self.token_logprobs: list[TokenLogprob] | None = [] if request.sampling.logprobs is not None else None
         self.num_cached = 0
         self.cached_prompt_tokens = 0  # prompt tokens restored from the prefix cache, not computed
         self.row = -1  # cache row while RUNNING
@@ -106,7 +108,11 @@ class Sequence:
             return self.output_ids[start - prompt:]
         return self.prompt_ids[start:] + self.output_ids
 
-    def append_token(self, token: int, confidence: float, now: float) -> bool:
+    def logprobs_from(self, start: int) -> list[TokenLogprob] | None:
+        """The logprobs of output tokens `start` on (None when the request did not ask)."""
+        return None if self.token_logprobs is None else self.token_logprobs[start:]
+
+    def append_token(self, token: int, confidence: float, now: float, logprob: TokenLogprob | None = None) -> bool:
         """Record one sampled token; True when the sequence is now finished.
 
         A stop token ends the sequence and is not part of the output (as in `greedy_decode`).
@@ -120,6 +126,8 @@ class Sequence:
             return True
         self.output_ids.append(token)
         self.token_confidences.append(confidence)
+        if self.token_logprobs is not None and logprob is not None:
+            self.token_logprobs.append(logprob)
         if self.matcher is not None:
             self.matcher.consume(token)
             if self.matcher.is_stopped():
@@ -159,6 +167,7 @@ class Sequence:
             draft_tokens_accepted=self.draft_accepted,
             draft_forwards=self.draft_forwards,
             ended_by_end_token=self.stop_confidence is not None,
+            logprobs=None if self.token_logprobs is None else list(self.token_logprobs),
             timings=Timings(queued_s=admitted - arrival, first_token_s=first - arrival, total_s=finish - arrival,
                             grammar_mask_s=self.grammar_mask_s),
         )

@@ -101,17 +101,22 @@ class DiffusionEngine:
             if event == "done":
                 completion = row.completion(self.name, self.codec)
                 yield StreamChunk(text=completion.text[len(sent_text):], token_ids=completion.token_ids[sent_ids:],
-                                  completion=completion)
+                                  completion=completion, logprobs=_from(completion.logprobs, sent_ids))
                 return
             text, ids = row.decided(self.codec)
             if len(text) > len(sent_text) and text.startswith(sent_text):
-                yield StreamChunk(text=text[len(sent_text):], token_ids=ids[sent_ids:])
+                logprobs = None if row.logprobs is None else row.logprobs[sent_ids:len(ids)]
+                yield StreamChunk(text=text[len(sent_text):], token_ids=ids[sent_ids:], logprobs=logprobs)
                 sent_text, sent_ids = text, len(ids)
 
     def _rows(self, plans: list[DecodePlan]) -> list[RowState]:
         device = self.model.output_weight().device
         return [RowState(plan, index, self.model.config.logits_shift, self.mask_id, device)
                 for index, plan in enumerate(plans)]
+
+
+def _from(logprobs: list | None, start: int) -> list | None:
+    return None if logprobs is None else logprobs[start:]
 
 
 class _Scheduler:

@@ -15,6 +15,8 @@ the reference's defaults). Streaming sends each block's text once the block is f
   fallback threshold reads both. The sampler's own signal (entropy) is what accepted the
   tokens, but a low-temperature argmax is near-certain by construction; the unscaled
   probability still says when the model was unsure.
+- Logprobs, when asked: the log of those same probabilities (the last step's log-softmax at
+  temperature 1, its top alternatives with it), computed from the logits already there.
 - Schema templates are refused ("schema: ..."), which lets the dispatcher re-run the request on
   an AR engine: the reference sampler has no fixed positions (every canvas position is
   re-noised uniformly until accepted), and clamping template tokens into a canvas is a
@@ -28,7 +30,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from nowait.engines.base import Completion, GenerationRequest, InvalidRequestError, StreamChunk, Timings
+from nowait.engines.base import Completion, GenerationRequest, InvalidRequestError, StreamChunk, Timings, TokenLogprob
 from nowait.engines.diffusion.gemma_sampler import (
     GemmaBlock,
     GemmaDecode,
@@ -103,16 +105,19 @@ class DiffusionGemmaEngine:
         sent_text, sent_ids = "", 0
         max_tokens = request.sampling.max_tokens
         for block in decode_blocks(self.model, list(request.prompt_ids), max_tokens, self.end_ids, sampling,
-                                   self._generator(request)):
+                                   self._generator(request), request.sampling.logprobs):
             blocks.append(block)
             partial = answer_of(blocks, max_tokens, self.end_ids).tokens
             text = self.codec.decode(partial)
             if len(text) > len(sent_text) and text.startswith(sent_text):
-                yield StreamChunk(text=text[len(sent_text):], token_ids=partial[sent_ids:])
+                logprobs = block_logprobs(blocks)
+                yield StreamChunk(text=text[len(sent_text):], token_ids=partial[sent_ids:],
+                                  logprobs=None if logprobs is None else logprobs[sent_ids:len(partial)])
                 sent_text, sent_ids = text, len(partial)
         completion = self._completion(request, answer_of(blocks, max_tokens, self.end_ids))
         yield StreamChunk(text=completion.text[len(sent_text):], token_ids=completion.token_ids[sent_ids:],
-                          completion=completion)
+                          completion=completion,
+                          logprobs=None if completion.logprobs is None else completion.logprobs[sent_ids:])
 
     def _generator(self, request: GenerationRequest) -> torch.Generator:
         generator = torch.Generator(device=self.model.embed_tokens.weight.device)
@@ -124,17 +129,26 @@ class DiffusionGemmaEngine:
 
     def _run(self, request: GenerationRequest, sampling: GemmaSampling) -> Completion:
         decode = generate_diffusion_gemma(self.model, list(request.prompt_ids), request.sampling.max_tokens,
-                                          self.end_ids, sampling, self._generator(request))
+                                          self.end_ids, sampling, self._generator(request), request.sampling.logprobs)
         return self._completion(request, decode)
 
     def _completion(self, request: GenerationRequest, decode: GemmaDecode) -> Completion:
         probabilities = [p for block in decode.blocks for p in block.probabilities.tolist()]
         deciding = probabilities[: len(decode.tokens) + (1 if decode.finish_reason == "stop" else 0)]
         now = time.perf_counter() - request.arrival_time
+        logprobs = block_logprobs(decode.blocks)
         return Completion(
             request_id=request.request_id, engine=self.name, token_ids=list(decode.tokens),
             text=self.codec.decode(decode.tokens), finish_reason=decode.finish_reason,
             prompt_tokens=len(request.prompt_ids), token_confidences=probabilities[: len(decode.tokens)],
             confidence=min(deciding, default=1.0), confidence_kind="min_token_probability",
             forwards=decode.forwards, timings=Timings(first_token_s=now, total_s=now),
-            ended_by_end_token=decode.finish_reason == "stop")
+            ended_by_end_token=decode.finish_reason == "stop",
+            logprobs=None if logprobs is None else logprobs[: len(decode.tokens)])
+
+
+def block_logprobs(blocks: list[GemmaBlock]) -> list[TokenLogprob] | None:
+    """The blocks' token logprobs in answer order (None when the request did not ask)."""
+    if not blocks or blocks[0].logprobs is None:
+        return None
+    return [entry for block in blocks for entry in block.logprobs]

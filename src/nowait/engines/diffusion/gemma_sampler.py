@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from nowait.engines.base import TokenLogprob
+from nowait.engines.logprobs import chosen_logprobs
 from nowait.model.diffusion_gemma import DiffusionGemma, PromptCache
 
 
@@ -107,6 +109,7 @@ class GemmaBlock:
     tokens: Tensor  # [L]
     forwards: int
     probabilities: Tensor  # [L]
+    logprobs: list[TokenLogprob] | None = None  # [L], the same distribution's, when asked for
 
 
 @dataclass
@@ -122,8 +125,9 @@ class GemmaDecode:
 
 @torch.no_grad()
 def denoise_block(model: DiffusionGemma, cache: PromptCache, sampling: GemmaSampling,
-                  generator: torch.Generator | None) -> GemmaBlock:
-    """One canvas of the reference's inner loop, for one row over `cache`."""
+                  generator: torch.Generator | None, logprobs: int | None = None) -> GemmaBlock:
+    """One canvas of the reference's inner loop, for one row over `cache`; `logprobs` (a top
+    count) adds each token's logprob under the same distribution as its probability."""
     c = model.config
     device = model.embed_tokens.weight.device
     canvas = torch.randint(0, c.vocab_size, (1, c.canvas_length), device=device, generator=generator)
@@ -148,11 +152,13 @@ def denoise_block(model: DiffusionGemma, cache: PromptCache, sampling: GemmaSamp
     # The model's own probability of each chosen token (temperature 1): the schedule's low final
     # temperature would report near-certainty for any argmax.
     chosen = logits.softmax(-1, dtype=torch.float32).gather(-1, argmax[..., None])[..., 0]
-    return GemmaBlock(tokens=argmax[0], forwards=forwards, probabilities=chosen[0])
+    kept = None if logprobs is None else chosen_logprobs(logits[0], argmax[0], logprobs)
+    return GemmaBlock(tokens=argmax[0], forwards=forwards, probabilities=chosen[0], logprobs=kept)
 
 
 def decode_blocks(model: DiffusionGemma, prompt: list[int], max_new_tokens: int, end_ids: tuple[int, ...],
-                  sampling: GemmaSampling, generator: torch.Generator | None = None) -> Iterator[GemmaBlock]:
+                  sampling: GemmaSampling, generator: torch.Generator | None = None,
+                  logprobs: int | None = None) -> Iterator[GemmaBlock]:
     """The reference's outer loop for one prompt, one finished block at a time: encode, denoise
     a block, append it, until a block holds an end id or ceil(max_new_tokens / canvas_length)
     blocks are done."""
@@ -164,7 +170,7 @@ def decode_blocks(model: DiffusionGemma, prompt: list[int], max_new_tokens: int,
     for _ in range(-(-max_new_tokens // model.config.canvas_length)):
         with torch.no_grad():
             model.encode(pending, cache)
-            block = denoise_block(model, cache, sampling, generator)
+            block = denoise_block(model, cache, sampling, generator, logprobs)
         yield block
         if any(token in end_ids for token in block.tokens.tolist()):
             return
@@ -182,7 +188,8 @@ def answer_of(blocks: list[GemmaBlock], max_new_tokens: int, end_ids: tuple[int,
 
 
 def generate_diffusion_gemma(model: DiffusionGemma, prompt: list[int], max_new_tokens: int, end_ids: tuple[int, ...],
-                             sampling: GemmaSampling, generator: torch.Generator | None = None) -> GemmaDecode:
+                             sampling: GemmaSampling, generator: torch.Generator | None = None,
+                             logprobs: int | None = None) -> GemmaDecode:
     """The whole decode of one prompt (`decode_blocks`, then `answer_of`)."""
-    blocks = list(decode_blocks(model, prompt, max_new_tokens, end_ids, sampling, generator))
+    blocks = list(decode_blocks(model, prompt, max_new_tokens, end_ids, sampling, generator, logprobs))
     return answer_of(blocks, max_new_tokens, end_ids)

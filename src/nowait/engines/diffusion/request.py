@@ -144,6 +144,10 @@ def plan_request(request: GenerationRequest, defaults: DiffusionOptions, config:
     if request.schema is not None:
         if not isinstance(request.schema, dict):
             raise InvalidRequestError("schema must be a JSON Schema object")
+        if request.sampling.logprobs is not None:
+            # The template's fixed pieces are written, never predicted: they have no logprob.
+            raise InvalidRequestError("logprobs: a schema-templated diffusion answer has fixed pieces the model "
+                                      "never predicts, so they have no logprob; use an AR engine")
         if compiler.codec.end_id is None:
             raise InvalidRequestError("schema: template infilling pads slots with <|endoftext|>, which this "
                                       "model's tokenizer lacks")

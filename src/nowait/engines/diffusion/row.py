@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from nowait.engines.base import Completion, Timings
+from nowait.engines.base import Completion, Timings, TokenLogprob
 from nowait.engines.diffusion.cache import cut_slots, keep_slot_runs, slot_runs
 from nowait.engines.diffusion.policies import (
     choose_commits,
@@ -27,6 +27,7 @@ from nowait.engines.diffusion.policies import (
     token_probability,
 )
 from nowait.engines.diffusion.request import DecodePlan
+from nowait.engines.logprobs import chosen_logprobs
 from nowait.engines.structured.templates import read_template
 from nowait.model import KVCache
 from nowait.tokenizer import TextCodec
@@ -40,6 +41,9 @@ class RowState:
         self.tokens = torch.tensor(plan.prompt + plan.window, dtype=torch.long, device=device)
         self.fillable = torch.tensor(plan.fillable, dtype=torch.bool, device=device)
         self.confidence = torch.full((self.window_length,), float("nan"), device=device)
+        # Asked for: each position's logprob, kept when the position is committed (`decide`).
+        self.logprobs: list[TokenLogprob | None] | None = (
+            [None] * self.window_length if plan.request.sampling.logprobs is not None else None)
         self.end_ids = torch.tensor(sorted(plan.end_ids), device=device)
         self.block_index = 0
         self.steps_in_block = 0
@@ -252,6 +256,10 @@ class RowState:
             commit = self._consistent(positions, commit, prediction, score)
         self.window[positions[commit]] = prediction[commit]
         self.confidence[positions[commit]] = chosen_probability[commit]
+        if self.logprobs is not None:  # the same distribution as the confidence, at the step that unmasked it
+            kept = chosen_logprobs(logits[commit], prediction[commit], sampling.logprobs)
+            for position, entry in zip(positions[commit].tolist(), kept, strict=True):
+                self.logprobs[position] = entry
         return where[commit]
 
     def _slot_assignment(self, slot_index: int, window: list[int]) -> list[int | None]:
@@ -369,11 +377,13 @@ class RowState:
             end = self.first_end()
             cut = len(window) if end is None else end
             token_ids, token_confidences = window[:cut], confidence[:cut]
+            logprobs = None if self.logprobs is None else self.logprobs[:cut]
             # The end token decides where the answer stops: one more decision to be sure of.
             deciding = token_confidences + ([] if end is None else [confidence[end]])
             text = codec.decode(token_ids)
         else:
             token_ids, token_confidences, deciding = [], [], []
+            logprobs = None  # refused with a template (`plan_request`)
             value_ends = set()
             for slot in template.template.slots:
                 span = window[slot.start: slot.start + slot.width]
@@ -399,7 +409,7 @@ class RowState:
             confidence_kind="min_token_probability", forwards=self.forwards,
             text_tokens=None if template is None else len(codec.encode(text)),
             # A template ends where its last piece does, as a grammar ends an AR answer: no end token.
-            ended_by_end_token=template is None and end is not None,
+            ended_by_end_token=template is None and end is not None, logprobs=logprobs,
             timings=Timings(queued_s=self.admitted_at - arrival, first_token_s=self.first_text_at - arrival,
                             total_s=self.finished_at - arrival),
         )

@@ -52,7 +52,8 @@ from nowait.engines.ar.sampling import (
 )
 from nowait.engines.ar.scheduler import ScheduledBatch
 from nowait.engines.ar.sequence import Sequence
-from nowait.engines.base import Completion, GenerationRequest, SamplingParams
+from nowait.engines.base import Completion, GenerationRequest, SamplingParams, TokenLogprob
+from nowait.engines.logprobs import row_logprobs
 from nowait.engines.speculative.acceptance import greedy_accept, proposal_distributions, speculative_accept
 from nowait.engines.speculative.answers import propose_from_draft
 from nowait.engines.speculative.config import SpeculativeConfig, should_speculate
@@ -379,7 +380,7 @@ class SpeculativeEngine(AutoregressiveEngine):
         confidences = token_probability(logits, choice).tolist()
         choices = choice.tolist()
         accepted = [greedy_accept(p, c) for p, c in zip(proposals, choices, strict=True)]
-        self._commit(seqs, proposals, accepted, choices, confidences)
+        self._commit(seqs, proposals, accepted, choices, confidences, verify_logprobs(seqs, logits, choice))
 
     def _verify(self, seqs: list[Sequence], proposals: list[list[int]], draft_probs: Tensor | None,
                 params: SamplingBatch) -> None:
@@ -410,10 +411,12 @@ class SpeculativeEngine(AutoregressiveEngine):
                                                    accept_uniforms, sample_uniforms)
         emitted = torch.cat([draft_tokens, torch.zeros(batch, 1, dtype=torch.long)], dim=1)
         emitted[torch.arange(batch), accepted] = next_tokens
-        self._commit(seqs, proposals, accepted.tolist(), emitted.tolist(), token_probability(logits, emitted).tolist())
+        self._commit(seqs, proposals, accepted.tolist(), emitted.tolist(), token_probability(logits, emitted).tolist(),
+                     verify_logprobs(seqs, logits, emitted))
 
     def _commit(self, seqs: list[Sequence], proposals: list[list[int]], accepted: list[int],
-                emitted: list[list[int]], confidences: list[list[float]]) -> None:
+                emitted: list[list[int]], confidences: list[list[float]],
+                logprobs: list[list[TokenLogprob | None]]) -> None:
         """Append each row's accepted proposals and the token after them; roll both caches
         back past the rejected ones. `emitted[i][:accepted[i] + 1]` are row i's new tokens."""
         now = time.perf_counter()
@@ -424,12 +427,22 @@ class SpeculativeEngine(AutoregressiveEngine):
             seq.draft_accepted += n
             seq.num_cached += 1 + n  # pending + accepted stay in the cache; the new token is pending
             for position in range(n + 1):
-                if seq.append_token(emitted[i][position], confidences[i][position], now):
+                if seq.append_token(emitted[i][position], confidences[i][position], now, logprobs[i][position]):
                     break
             seq.draft_cached = min(seq.draft_cached, seq.num_cached)
         self.runner.truncate_rows([s.num_cached for s in seqs])
         if self.draft_runner is not None:
             self.draft_runner.truncate_rows([s.draft_cached for s in seqs])
+
+
+def verify_logprobs(seqs: list[Sequence], logits: Tensor, emitted: Tensor) -> list[list[TokenLogprob | None]]:
+    """Each row's logprobs of its candidate tokens [B, T] from the verify's target logits
+    [B, T, V] (the target's own distribution, as AR decoding reports it); rows that did not ask
+    get None and cost nothing."""
+    batch, width = emitted.shape
+    wanted = [s.request.sampling.logprobs for s in seqs for _ in range(width)]
+    flat = row_logprobs(logits.reshape(batch * width, -1), emitted.reshape(-1), wanted)
+    return [flat[i * width: (i + 1) * width] for i in range(batch)]
 
 
 def last_logits(logits: Tensor, lengths: list[int]) -> Tensor:
