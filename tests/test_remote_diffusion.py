@@ -289,3 +289,42 @@ def test_the_vllm_diffusiongemma_example_loads_with_the_remote_as_fast_engine():
     backends = build_backends(config, owned=lambda name, spec: UnavailableBackend(name, spec.kind, "not built", 60))
     assert isinstance(backends[policy.fast_engine], RemoteBackend) and backends[policy.fast_engine].confidence
 
+
+# --- another nowait as the upstream, over real HTTP ---
+
+def test_a_nowait_gateway_as_the_upstream_routes_the_same(tmp_path, codec, ar_model):
+    """A nowait gateway serving a tiny diffusion model is the upstream; the outer gateway's
+    confidence is the least sure token's probability in the logprobs it returns, so a threshold
+    below it keeps the answer and one above it re-runs the request on AR."""
+    diffusion = save_pretrained(build_model(2, vocab_size=codec.vocab_size, causal=False,
+                                            mask_token_id=codec.mask_id), codec, tmp_path / "diffusion")
+    upstream_port = free_port()
+    inner = {"server": {"host": "127.0.0.1", "port": upstream_port, "request_timeout_s": 30},
+             "auth": {"api_keys": [], "api_keys_env": None}, "data_dir": str(tmp_path / "inner"),
+             "engines": {"diffusion": {"kind": "diffusion", "model": str(diffusion), "options": {"block": 8}}},
+             "routing": {"fast_engine": None, "batch_engine": "diffusion", "fallback_engine": "diffusion",
+                         "owned_frontier_engine": "diffusion"},
+             "defaults": {"max_tokens": 8, "data_class": "internal"}}
+    with live_server(inner) as upstream:
+        direct = upstream.client().chat.completions.create(model="diffusion", messages=MESSAGES, max_tokens=8,
+                                                           logprobs=True)
+        expected = min_token_probability([t.logprob for t in direct.choices[0].logprobs.content])
+        assert 0 < expected < 1  # a random model is unsure: room for a threshold on either side
+        # The upstream's own confidence is the same minimum with its end token counted too.
+        assert direct.model_extra["nowait"]["confidence"] <= expected * (1 + 1e-6)
+        for threshold, route in ((expected / 2, "remote-diffusion"), ((expected + 1) / 2, "ar")):
+            port = free_port()
+            config = remote_diffusion_config(ar_model, tmp_path / f"outer-{route}", port,
+                                             f"{upstream.base_url}/v1", threshold=threshold)
+            config["engines"]["remote-diffusion"]["model"] = "diffusion"
+            with live_server(config) as outer:
+                completion, info = ask(outer)
+                tried = info["engines_tried"]
+                assert info["route"] == route and info["fallback"] is (route == "ar")
+                assert tried[0]["engine"] == "remote-diffusion"
+                assert tried[0]["confidence"] == pytest.approx(expected, rel=1e-6)
+                if route == "remote-diffusion":
+                    assert completion.choices[0].message.content == direct.choices[0].message.content
+                else:
+                    assert [a["engine"] for a in tried] == ["remote-diffusion", "ar"]
+                    assert audit_entry(outer, completion.id)["fallback_cause"] == "confidence"
