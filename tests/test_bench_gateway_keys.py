@@ -35,10 +35,17 @@ def test_bench_gateway_times_keys_on_against_keys_off(tmp_path, codec):
     assert steps["store_key_us"]["p50"] > 0 and steps["limits_us"]["p50"] > 0
     assert steps["added_p50_us"] == round(steps["store_key_us"]["p50"] - steps["configured_key_us"]["p50"]
                                           + steps["limits_us"]["p50"], 2)
+    # The serving thread's CPU per request, each side, and keys on less keys off round by round.
+    used = keys["server_cpu_ms"]
+    assert used["keys_on"]["p50"] > 0 and used["keys_off"]["p50"] > 0
+    assert used["keys_on"]["p50"] < keys["keys_on_ms"]["p99"] * requests  # CPU seconds, not a clock's reading
     goals = report["goals"]
+    assert goals["tenant_keys_server_cpu_p50_ms"] == round(used["pairwise_added"]["p50"]
+                                                           + chain["added_us"]["p50"] / 1000, 3)
     assert goals["tenant_keys_p50_met"] == (goals["tenant_keys_p50_ms"] <= goals["tenant_keys_p50_ms_at_most"])
     assert goals["tenant_keys_in_process_p50_ms"] == round((steps["added_p50_us"] + chain["added_us"]["p50"]) / 1000, 3)
     plain = runner.invoke(app, ["bench", "gateway", "--config", str(path), "--requests", "1", "--clients", "1",
                                 "--max-tokens", "1", "--tenant-keys"], prog_name="nowait")
     assert plain.exit_code == 0, plain.output
     assert "keys on" in plain.output and "audit chain adds" in plain.output and "key lookup" in plain.output
+    assert "server CPU" in plain.output
