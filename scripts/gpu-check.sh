@@ -3,11 +3,14 @@
 #
 # On a machine with this repo and PyTorch with CUDA, no network: bench physics, bench engines and
 # bench batching on the bundled models, the real-shape steps of llama-3.1-8b and llada-8b at batch 1
-# and 8 (bf16, random weights), and bench peers when transformers imports. Every step writes
+# and 8 (bf16, random weights), DiffusionGemma-26B-A4B's denoiser step at batch 1 and 8 (bf16,
+# random weights built on the GPU, about 50 GB; issue 27), and bench peers when transformers imports. Every step writes
 # OUT_DIR/<step>.json (stdout) and <step>.err, under its own timeout, so one failure loses only
 # itself; OUT_DIR/summary.tsv lists each step's exit status and seconds. The timeouts add up to
 # under 8 minutes. --cpu-smoke (or NOWAIT_CPU_SMOKE=1) runs the same steps on the CPU, shrunk to
-# seconds each (the `tiny` shape for the real ones), to check the script without a GPU.
+# seconds each (the `tiny` and `diffusiongemma-tiny` shapes for the real ones), to check the script
+# without a GPU. NOWAIT_GPU_CHECK_ONLY=NAME,NAME runs only those steps (the others are listed as
+# skipped), e.g. to check one step's command line on a CPU.
 set -u
 if [ $# -lt 1 ]; then
     echo "usage: scripts/gpu-check.sh OUT_DIR [--cpu-smoke]" >&2
@@ -23,9 +26,14 @@ export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 mkdir -p "$out"
 printf 'step\texit\tseconds\n' > "$out/summary.tsv"
 
+only=${NOWAIT_GPU_CHECK_ONLY:-}
 step() {  # step NAME TIMEOUT_S ARGS...: one `nowait` command, its JSON kept, its exit status recorded
     local name=$1 limit=$2
     shift 2
+    if [ -n "$only" ] && [[ ",$only," != *",$name,"* ]]; then
+        printf '%s\tskipped (not in NOWAIT_GPU_CHECK_ONLY)\t0\n' "$name" >> "$out/summary.tsv"
+        return
+    fi
     local started=$SECONDS
     timeout --kill-after=10 "$((limit * scale))" "$python" -m nowait.cli "$@" > "$out/$name.json" 2> "$out/$name.err"
     local status=$?
@@ -35,14 +43,14 @@ step() {  # step NAME TIMEOUT_S ARGS...: one `nowait` command, its JSON kept, it
 
 # The timeouts are the GPU's; a smoke run on a shared CPU gets four times each.
 if [ "$smoke" = 1 ]; then
-    scale=4 device=cpu dtype=fp32 big_ar=tiny big_diffusion=tiny
+    scale=4 device=cpu dtype=fp32 big_ar=tiny big_diffusion=tiny big_gemma=diffusiongemma-tiny
     physics=(--budget 0.05 --host-budget 0.2)
     engines=(--n 1)
     ar_batching=(--concurrency 1,2 --max-tokens 8 --rounds 1)
     diffusion_batching=(--concurrency 1,2 --max-tokens 32 --rounds 1)
     peers=(--n 2 --batches 1,2 --max-tokens 8 --rounds 1)
 else
-    scale=1 device=cuda dtype=bf16 big_ar=llama-3.1-8b big_diffusion=llada-8b
+    scale=1 device=cuda dtype=bf16 big_ar=llama-3.1-8b big_diffusion=llada-8b big_gemma=diffusiongemma-26b-a4b
     physics=(--budget 0.5 --host-budget 2)
     engines=(--n 20)
     ar_batching=(--concurrency 1,4,16,64 --rounds 1)
@@ -59,17 +67,20 @@ print(json.dumps({"python": platform.python_version(), "torch": torch.__version_
 PY
 printf 'env\t%s\t0\n' "$?" >> "$out/summary.tsv"
 
-step physics 45 bench physics --device "$device" --json "${physics[@]}"
+step physics 40 bench physics --device "$device" --json "${physics[@]}"
 # spec and grammar-constrained AR run on the CPU only: the GPU run takes the plain entries.
-step engines 70 bench engines --device "$device" --only ar,diffusion-reference,diffusion --json "${engines[@]}"
+step engines 60 bench engines --device "$device" --only ar,diffusion-reference,diffusion --json "${engines[@]}"
 step batching-ar 70 bench batching --model ar --device "$device" --json "${ar_batching[@]}"
 step batching-diffusion 60 bench batching --model diffusion --device "$device" --json "${diffusion_batching[@]}"
 step shape-ar-$big_ar 55 bench batching --shape "$big_ar" --dtype "$dtype" --concurrency 1,8 \
     --diffusion-concurrency 1,8 --device "$device" --json
 step shape-diffusion-$big_diffusion 55 bench batching --shape "$big_diffusion" --dtype "$dtype" --concurrency 1,8 \
     --diffusion-concurrency 1,8 --device "$device" --json
+# DiffusionGemma has no AR step: --concurrency is unused, the denoiser runs at each diffusion batch.
+step shape-$big_gemma 50 bench batching --shape "$big_gemma" --dtype "$dtype" --concurrency 1 \
+    --diffusion-concurrency 1,8 --device "$device" --json
 if "$python" -c "import transformers" 2> /dev/null; then
-    step peers 70 bench peers --device "$device" --json "${peers[@]}"
+    step peers 60 bench peers --device "$device" --json "${peers[@]}"
 else
     printf 'peers\tskipped (no transformers)\t0\n' >> "$out/summary.tsv"
 fi

@@ -133,6 +133,7 @@ def speed_summary(records: list[DecodeRecord]) -> dict[str, float]:
         "tokens_per_forward": round(sum(r.completion_tokens for r in records) / max(forwards, 1), 3),
         "latency_ms_p50": round(float(np.percentile(latencies, 50)), 2) if len(records) else 0.0,
         "latency_ms_p95": round(float(np.percentile(latencies, 95)), 2) if len(records) else 0.0,
+        "latency_ms_mean": round(float(latencies.mean()), 3) if len(records) else 0.0,  # total time / docs
     }
 
 
@@ -242,6 +243,7 @@ def completion_metrics(completions: list[Completion], docs: list[Document]) -> d
         "tokens_per_forward": tokens / max(forwards, 1),
         "latency_ms_p50": float(np.percentile(latencies, 50)) if len(latencies) else 0.0,
         "latency_ms_p95": float(np.percentile(latencies, 95)) if len(latencies) else 0.0,
+        "latency_ms_mean": float(latencies.mean()) if len(latencies) else 0.0,  # total time / docs
         "tokens_per_doc": tokens / max(len(completions), 1),
         "finished_by_length": sum(c.finish_reason == "length" for c in completions),
         "mean_confidence": float(np.mean([c.confidence for c in completions])) if completions else 0.0,

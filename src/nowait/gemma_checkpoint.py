@@ -27,6 +27,14 @@ def _refuse(feature: str) -> CheckpointError:
 
 
 def _layer_overrides(text: dict, layer: int) -> dict:
+    """A global layer's own head size and key heads. Without `per_layer_config` (a config.json
+    written as Gemma 4's are), transformers' DiffusionGemmaTextConfig.__post_init__ builds it from
+    `global_head_dim` (default 512) and `num_global_key_value_heads` (when given)."""
+    if "per_layer_config" not in text:
+        overrides = {"head_dim": text.get("global_head_dim", 512)}
+        if text.get("num_global_key_value_heads") is not None:
+            overrides["num_key_value_heads"] = text["num_global_key_value_heads"]
+        return overrides
     per_layer = text.get("per_layer_config") or {}
     return per_layer.get(str(layer)) or per_layer.get(layer) or {}
 

@@ -62,15 +62,19 @@ def split_turns(n: int, rounds: int) -> list[range]:
 
 def measure_batching(model: Transformer, codec: TextCodec, docs: list[Document],
                      concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, max_tokens: int = ANSWER_TOKENS,
-                     max_num_batched_tokens: int = 4096, structured: bool = False, rounds: int = 3) -> list[dict]:
+                     max_num_batched_tokens: int = 4096, structured: bool = False, rounds: int = 3,
+                     peak_flops: float | None = None) -> list[dict]:
     """One result per concurrency: batched and sequential output tokens/s, identical outputs.
-    `structured` (diffusion): each request fills its kind's schema template.
+    `structured` (diffusion): each request fills its kind's schema template. Each run's time per
+    model forward sits beside that forward's compute floor (`nowait.bench.step_floor`) over
+    `peak_flops` (default: this device's matmul peak, measured here in about a second).
 
     The two runs take turns, `rounds` times: the batch, then a part of the one-at-a-time run,
     then the batch again, and so on. A shared machine's load changes over seconds, and the batch
     lasts a tenth as long as the one-at-a-time run; one batch timed before it would catch one
     moment of that load against the other's average. The batch's time is the median of its
     runs, the one-at-a-time time the sum of its parts."""
+    from nowait.bench.step_floor import ForwardRecorder, dtype_name, matmul_peak, step_floor
     from nowait.extraction.corpus import schema_for
     from nowait.tokenizer import extraction_prompt
 
@@ -91,51 +95,77 @@ def measure_batching(model: Transformer, codec: TextCodec, docs: list[Document],
     warm = max(concurrency)
     engine.generate(_requests(prompts[:warm], max_tokens if diffusion else 4, schemas[:warm]))
     phases = getattr(engine, "step_seconds", None)  # AR: forward time by step kind
+    if peak_flops is None:
+        peak_flops = matmul_peak(str(model.output_weight().device), dtype_name(model))
+    recorder = ForwardRecorder(model)
 
-    def timed(requests: list) -> tuple[list, float, dict]:
+    def timed(requests: list) -> tuple[list, float, dict, tuple[int, int]]:
         before = dict(phases or {})
+        first = recorder.calls
         started = time.perf_counter()
         completions = engine.generate(requests)
-        return completions, time.perf_counter() - started, {k: phases[k] - before[k] for k in before}
+        return (completions, time.perf_counter() - started, {k: phases[k] - before[k] for k in before},
+                (first, recorder.calls))
 
-    results = []
-    for c in concurrency:
-        batched_runs: list[tuple[list, float, dict]] = []
-        sequential: list = []
-        sequential_s = 0.0
-        sequential_phases = dict.fromkeys(phases or {}, 0.0)
-        for part in split_turns(c, rounds):
-            batched_runs.append(timed(_requests(prompts[:c], max_tokens, schemas[:c])))
-            for i in part:
-                [completion], seconds, spent = timed(_requests([prompts[i]], max_tokens, [schemas[i]]))
-                sequential.append(completion)
-                sequential_s += seconds
-                sequential_phases = {k: sequential_phases[k] + spent[k] for k in sequential_phases}
-        batched, batched_s, batched_phases = sorted(batched_runs, key=lambda run: run[1])[len(batched_runs) // 2]
-        tokens = sum(x.completion_tokens for x in batched)
-        # Prefill is compute-bound already for one prompt, so batching cannot shrink it; the decode
-        # phase is where batching pays, and its own ratio shows how much.
-        result = {
-            "concurrency": c,
-            "batched_tokens_per_s": round(tokens / batched_s, 1),
-            "sequential_tokens_per_s": round(sum(x.completion_tokens for x in sequential) / sequential_s, 1),
-            "speedup": round(sequential_s / batched_s, 2),
-            "outputs_identical": all(a.token_ids == b.token_ids for run, _, _ in batched_runs
-                                     for a, b in zip(run, sequential, strict=True)),
-            "output_tokens": tokens,
-            "batched_s": round(batched_s, 3),
-            "sequential_s": round(sequential_s, 3),
-            "batched_runs_s": [round(seconds, 3) for _, seconds, _ in batched_runs],
-        }
-        if phases is not None:
-            result.update({
-                "prefill_s": {"batched": round(batched_phases["prefill"], 3),
-                              "sequential": round(sequential_phases["prefill"], 3)},
-                "decode_s": {"batched": round(batched_phases["decode"], 3),
-                             "sequential": round(sequential_phases["decode"], 3)},
-                "decode_speedup": round(sequential_phases["decode"] / max(batched_phases["decode"], 1e-9), 2),
-            })
-        results.append(result)
+    def floor(seconds: float, spans: list[tuple[int, int]]) -> dict:
+        forwards = sum(stop - start for start, stop in spans)
+        if not forwards:
+            return step_floor(None, None, peak_flops)
+        flops = sum(recorder.flops(start, stop) for start, stop in spans)
+        return step_floor(seconds / forwards, flops / forwards, peak_flops)
+
+    try:
+        results = []
+        for c in concurrency:
+            batched_runs: list[tuple[list, float, dict, tuple[int, int]]] = []
+            sequential: list = []
+            sequential_s = 0.0
+            sequential_phases = dict.fromkeys(phases or {}, 0.0)
+            sequential_spans: list[tuple[int, int]] = []
+            for part in split_turns(c, rounds):
+                batched_runs.append(timed(_requests(prompts[:c], max_tokens, schemas[:c])))
+                for i in part:
+                    [completion], seconds, spent, span = timed(_requests([prompts[i]], max_tokens, [schemas[i]]))
+                    sequential.append(completion)
+                    sequential_s += seconds
+                    sequential_phases = {k: sequential_phases[k] + spent[k] for k in sequential_phases}
+                    sequential_spans.append(span)
+            batched, batched_s, batched_phases, batched_span = sorted(batched_runs, key=lambda run: run[1])[
+                len(batched_runs) // 2]
+            # Per model forward: the batch's time, and the one-at-a-time run's, each beside its floor.
+            batched_floor = floor(batched_s, [batched_span])
+            sequential_floor = floor(sequential_s, sequential_spans)
+            tokens = sum(x.completion_tokens for x in batched)
+            # Prefill is compute-bound already for one prompt, so batching cannot shrink it; the decode
+            # phase is where batching pays, and its own ratio shows how much.
+            result = {
+                "concurrency": c,
+                "batched_tokens_per_s": round(tokens / batched_s, 1),
+                "sequential_tokens_per_s": round(sum(x.completion_tokens for x in sequential) / sequential_s, 1),
+                "speedup": round(sequential_s / batched_s, 2),
+                "outputs_identical": all(a.token_ids == b.token_ids for run, _, _, _ in batched_runs
+                                         for a, b in zip(run, sequential, strict=True)),
+                "output_tokens": tokens,
+                "batched_s": round(batched_s, 3),
+                "sequential_s": round(sequential_s, 3),
+                "batched_runs_s": [round(seconds, 3) for _, seconds, _, _ in batched_runs],
+                **batched_floor,
+                "forwards": batched_span[1] - batched_span[0],
+                **{f"sequential_{key}": value for key, value in sequential_floor.items()},
+                "sequential_forwards": sum(stop - start for start, stop in sequential_spans),
+                "peak_flops": peak_flops,
+            }
+            if phases is not None:
+                result.update({
+                    "prefill_s": {"batched": round(batched_phases["prefill"], 3),
+                                  "sequential": round(sequential_phases["prefill"], 3)},
+                    "decode_s": {"batched": round(batched_phases["decode"], 3),
+                                 "sequential": round(sequential_phases["decode"], 3)},
+                    "decode_speedup": round(sequential_phases["decode"] / max(batched_phases["decode"], 1e-9), 2),
+                })
+            results.append(result)
+    finally:
+        recorder.close()
     return results
 
 
@@ -152,12 +182,15 @@ def batching(
                                               "one-at-a-time run (the median is reported)"),
     threads: int = typer.Option(None, min=1, help="CPU threads (default: torch's choice)"),
     shape: str = typer.Option(None, help="time engine steps of a real model shape with random weights instead: "
-                                         "qwen2.5-0.5b, llama-3.2-1b, llama-3.1-8b, llada-8b, dream-7b"),
+                                         "qwen2.5-0.5b, llama-3.2-1b, llama-3.1-8b, llada-8b, dream-7b, "
+                                         "diffusiongemma-26b-a4b (its denoiser step)"),
     dtype: str = typer.Option("fp32", help="with --shape: fp32 or bf16"),
     tokens_per_step: float = typer.Option(2.0, help="with --shape: tokens a diffusion step commits per row (a "
                                                     "fixed policy: random weights give no meaningful confidence)"),
     diffusion_concurrency: str = typer.Option("1,8", help="with --shape: batch sizes of the diffusion block step"),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N"),
+    host_budget: float = typer.Option(1.0, min=0.01, help="seconds to measure the matmul peak each step's compute "
+                                                          "floor is read against"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Output tokens/s with continuous batching vs the same requests one at a time. With --shape:
@@ -179,7 +212,8 @@ def batching(
     if threads:
         torch.set_num_threads(threads)
     if shape:
-        from nowait.bench.shapes import run_shape_command, shape_cases
+        from nowait.bench.shape_command import run_shape_command
+        from nowait.bench.shapes import shape_cases
 
         try:
             diffusion_levels = tuple(int(x) for x in diffusion_concurrency.split(",") if x.strip())
@@ -205,9 +239,12 @@ def batching(
 
         max_tokens = TEMPLATE_MAX_TOKENS if structured else ANSWER_TOKENS
     docs = documents("test", max(levels))
+    from nowait.bench.step_floor import dtype_name, matmul_peak
+
+    peak = matmul_peak(device, dtype_name(loaded.model), host_budget)
     try:
         results = measure_batching(loaded.model, loaded.codec, docs, levels, max_tokens, max_num_batched_tokens,
-                                   structured, rounds)
+                                   structured, rounds, peak_flops=peak)
     except ValueError as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(code=2) from None
@@ -216,7 +253,7 @@ def batching(
         print(json.dumps({"results": results, "settings": {"model": str(loaded.path), "engine": engine,
                                                            "structured": structured, "max_tokens": max_tokens,
                                                            "rounds": rounds, "threads": torch.get_num_threads(),
-                                                           "device": device}}))
+                                                           "device": device, "peak_flops": peak}}))
         return
     for r in results:
         phases = (f"; decode phase {r['decode_speedup']}x, prefill {r['prefill_s']['sequential']:.2f} s of "
@@ -224,3 +261,7 @@ def batching(
         typer.echo(f"{engine} concurrency {r['concurrency']:>3}: batched {r['batched_tokens_per_s']:>8.1f} tok/s, "
                    f"one at a time {r['sequential_tokens_per_s']:>8.1f} tok/s ({r['speedup']}x{phases}), "
                    f"outputs identical: {r['outputs_identical']}")
+        for label, prefix in (("batched", ""), ("one at a time", "sequential_")):
+            if r[f"{prefix}step_ms"] is not None:
+                typer.echo(f"    {label}: {r[f'{prefix}step_ms']:.3f} ms a step, compute floor "
+                           f"{r[f'{prefix}compute_floor_ms']:.4f} ms, overhead {r[f'{prefix}overhead_share']:.1%}")

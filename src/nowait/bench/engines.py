@@ -21,6 +21,7 @@ import typer
 from nowait.bench.app import bench_app
 
 if TYPE_CHECKING:  # torch and the engines load when the command runs, not with the CLI
+    from nowait.bench.step_floor import ForwardRecorder
     from nowait.checkpoints import LoadedModel
     from nowait.extraction.corpus import Document
 
@@ -40,6 +41,8 @@ class BenchContext:
     model_paths: dict[str, str] = field(default_factory=dict)  # role (ar, diffusion, draft) -> dir
     device: str = "cpu"
     _loaded: dict[str, LoadedModel] = field(default_factory=dict)
+    # role -> the forwards of its model (nowait.bench.step_floor), for each entry's compute floor
+    recorders: dict[str, ForwardRecorder] = field(default_factory=dict)
 
     def model(self, role: str) -> LoadedModel:
         """The model for a role: `model_paths[role]` or the bundled demo model of that name,
@@ -52,6 +55,11 @@ class BenchContext:
                 self._loaded[role] = ModelCache().load(self.model_paths.get(role) or role, device=self.device)
             except CheckpointError as error:
                 raise BenchError(f"{role} model: {error}") from None
+            from nowait.bench.step_floor import ForwardRecorder
+            from nowait.model import Transformer
+
+            if isinstance(self._loaded[role].model, Transformer):
+                self.recorders[role] = ForwardRecorder(self._loaded[role].model)
         return self._loaded[role]
 
     def optional_model(self, role: str) -> LoadedModel | None:
@@ -63,13 +71,20 @@ class BenchContext:
 
 BenchEntry = Callable[[BenchContext], dict]
 ENTRIES: dict[str, BenchEntry] = {}
+# entry -> the role whose model's forwards are that entry's steps (its compute floor). Entries that
+# drive one model through several engines taking turns (spec, fallback) have none: their steps mix.
+FLOOR_ROLES: dict[str, str] = {}
 
 
-def register_entry(name: str) -> Callable[[BenchEntry], BenchEntry]:
+def register_entry(name: str, floor_role: str | None = None) -> Callable[[BenchEntry], BenchEntry]:
     """Add an entry: a function of the context returning its eval fields (at least those of
-    `nowait eval`: field_accuracy, forwards_per_doc, tokens_per_forward, latency_ms_p50/p95)."""
+    `nowait eval`: field_accuracy, forwards_per_doc, tokens_per_forward, latency_ms_p50/p95;
+    `latency_ms_mean` too for a step time). `floor_role`: the model role whose forwards are the
+    entry's steps, for `step_ms` beside `compute_floor_ms`."""
     def add(entry: BenchEntry) -> BenchEntry:
         ENTRIES[name] = entry
+        if floor_role:
+            FLOOR_ROLES[name] = floor_role
         return entry
     return add
 
@@ -86,7 +101,7 @@ def _diffusion(ctx: BenchContext, options, structured: bool = False) -> dict:
     return {**result, "decoding": describe_decoding("diffusion", options, structured)}
 
 
-@register_entry("ar")
+@register_entry("ar", floor_role="ar")
 def ar_entry(ctx: BenchContext) -> dict:
     """Plain greedy AR decoding with the KV cache."""
     from nowait.evaluation import describe_decoding, evaluate_engine
@@ -103,12 +118,12 @@ def reference_options():
     return DiffusionOptions(policy="fixed", steps=None, block=32, template_block=32, cache="none")
 
 
-@register_entry("diffusion-reference")
+@register_entry("diffusion-reference", floor_role="diffusion")
 def diffusion_reference_entry(ctx: BenchContext) -> dict:
     return _diffusion(ctx, reference_options())
 
 
-@register_entry("diffusion")
+@register_entry("diffusion", floor_role="diffusion")
 def diffusion_entry(ctx: BenchContext) -> dict:
     """The engine's fast default, free-form JSON (like `ar`), and the same run taking turns
     with plain AR on each document (`vs_ar_interleaved`)."""
@@ -153,7 +168,7 @@ def interleaved_vs_ar(ctx: BenchContext, options) -> dict:
             "ar_field_accuracy": ar_accuracy["field_accuracy"], "diffusion_field_accuracy": decoded["field_accuracy"]}
 
 
-@register_entry("diffusion-structured")
+@register_entry("diffusion-structured", floor_role="diffusion")
 def diffusion_structured_entry(ctx: BenchContext) -> dict:
     """The fast default filling each document kind's JSON Schema template."""
     from nowait.engines.diffusion.request import DiffusionOptions
@@ -227,7 +242,7 @@ def fallback_bench_entry(ctx: BenchContext) -> dict:
                           draft.model if draft else None, draft.codec if draft else None)
 
 
-@register_entry("ar-structured")
+@register_entry("ar-structured", floor_role="ar")
 def ar_structured_bench_entry(ctx: BenchContext) -> dict:
     """Greedy AR constrained by each kind's JSON Schema grammar, batch size 1."""
     from nowait.bench.ar_entries import ar_structured_entry
@@ -257,7 +272,21 @@ def ratios(entries: list[dict], baseline: str = BASELINE) -> dict[str, dict[str,
     return {"latency_p50": latency, "field_accuracy": accuracy}
 
 
-def run_bench(ctx: BenchContext, names: list[str], progress: Callable[[str], None] | None = None) -> dict:
+def entry_floor(entry: dict, recorder: ForwardRecorder | None, peak_flops: float) -> dict:
+    """`step_ms`: the entry's mean latency per document over its forwards per document (each
+    step's share of the engine's own work included); `compute_floor_ms`: the mean FLOPs of the
+    forwards its model ran during the entry over the peak (nowait.bench.step_floor)."""
+    from nowait.bench.step_floor import step_floor
+
+    forwards, mean_ms = entry.get("forwards_per_doc") or 0, entry.get("latency_ms_mean")
+    step_s = mean_ms / 1000 / forwards if forwards and mean_ms else None
+    flops = recorder.flops() / recorder.calls if recorder is not None and recorder.calls else None
+    return step_floor(step_s, flops if step_s else None, peak_flops)
+
+
+def run_bench(ctx: BenchContext, names: list[str], progress: Callable[[str], None] | None = None,
+              peak_flops: float | None = None) -> dict:
+    """Every entry in turn; with `peak_flops`, each entry's step time beside its compute floor."""
     unknown = [n for n in names if n not in ENTRIES]
     if unknown:
         raise BenchError(f"unknown entr{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
@@ -266,8 +295,17 @@ def run_bench(ctx: BenchContext, names: list[str], progress: Callable[[str], Non
     for name in names:
         if progress:
             progress(name)
-        entries.append({"name": name, **ENTRIES[name](ctx)})
-    return {"engines": entries, "ratios": ratios(entries), "n": len(ctx.docs)}
+        for recorder in ctx.recorders.values():
+            recorder.records.clear()  # each entry's forwards alone
+        entry = {"name": name, **ENTRIES[name](ctx)}
+        if peak_flops:
+            role = FLOOR_ROLES.get(name)
+            entry.update(entry_floor(entry, ctx.recorders.get(role) if role else None, peak_flops))
+        entries.append(entry)
+    report = {"engines": entries, "ratios": ratios(entries), "n": len(ctx.docs)}
+    if peak_flops:
+        report["peak_flops"] = peak_flops
+    return report
 
 
 @bench_app.command("engines")
@@ -282,11 +320,14 @@ def engines(
                                         + ", ".join(DEFAULT_ENTRIES) + ")"),
     threads: int = typer.Option(None, min=1, help="CPU threads (default: torch's choice)"),
     shape: str = typer.Option(None, help="time batch-1 engine steps of a real model shape with random weights "
-                                         "instead: qwen2.5-0.5b, llama-3.2-1b, llama-3.1-8b, llada-8b, dream-7b"),
+                                         "instead: qwen2.5-0.5b, llama-3.2-1b, llama-3.1-8b, llada-8b, dream-7b, "
+                                         "diffusiongemma-26b-a4b (its denoiser step)"),
     dtype: str = typer.Option("fp32", help="with --shape: fp32 or bf16"),
     tokens_per_step: float = typer.Option(2.0, help="with --shape: tokens a diffusion step commits (fixed policy)"),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N (spec and structured AR entries "
                                                        "run on the CPU only)"),
+    host_budget: float = typer.Option(1.0, min=0.01, help="seconds to measure the matmul peak each entry's "
+                                                          "compute floor is read against"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Latency, forwards and accuracy of AR and the diffusion configurations, same documents.
@@ -309,7 +350,8 @@ def engines(
     if threads:
         torch.set_num_threads(threads)
     if shape:
-        from nowait.bench.shapes import run_shape_command, shape_cases
+        from nowait.bench.shape_command import run_shape_command
+        from nowait.bench.shapes import shape_cases
 
         run_shape_command(shape, shape_cases((1,), (1,), tokens_per_step), dtype, device, 1.0, as_json)
         return
@@ -323,8 +365,12 @@ def engines(
     ctx = BenchContext(docs=documents(split, n, seed=seed),
                        model_paths={"ar": ar_model, "diffusion": diffusion_model, "draft": draft_model}, device=device)
     err = Console(stderr=True)
+    from nowait.bench.step_floor import matmul_peak
+
+    peak = matmul_peak(device, "fp32", host_budget)  # BenchContext loads every model in fp32
     try:
-        report = run_bench(ctx, names, progress=None if as_json else lambda name: err.print(f"bench {name} ..."))
+        report = run_bench(ctx, names, progress=None if as_json else lambda name: err.print(f"bench {name} ..."),
+                           peak_flops=peak)
     except ValueError as error:
         fail(str(error))
     report["settings"] = {"split": None if seed is not None else split, "seed": seed, "batch_size": 1,
@@ -342,12 +388,19 @@ def _print_table(report: dict) -> None:
 
     table = Table(title=f"nowait bench engines (n={report['n']}, batch size 1)")
     table.add_column("engine", no_wrap=True)
-    for column in ("field acc", "doc acc", "valid", "fwd/doc", "tok/fwd", "p50 ms", "p95 ms"):
+    for column in ("field acc", "doc acc", "valid", "fwd/doc", "tok/fwd", "p50 ms", "p95 ms", "step ms",
+                   "floor ms", "overhead"):
         table.add_column(column, justify="right")
+
+    def shown(value: float | None, form: str) -> str:
+        return "-" if value is None else format(value, form)
+
     for e in report["engines"]:
         table.add_row(e["name"], f"{e['field_accuracy']:.3f}", f"{e.get('doc_accuracy', 0):.3f}",
                       f"{e.get('json_valid_rate', 0):.3f}", f"{e['forwards_per_doc']:.1f}",
-                      f"{e['tokens_per_forward']:.2f}", f"{e['latency_ms_p50']:.1f}", f"{e['latency_ms_p95']:.1f}")
+                      f"{e['tokens_per_forward']:.2f}", f"{e['latency_ms_p50']:.1f}", f"{e['latency_ms_p95']:.1f}",
+                      shown(e.get("step_ms"), ".3f"), shown(e.get("compute_floor_ms"), ".4f"),
+                      shown(e.get("overhead_share"), ".1%"))
     console = Console()
     console.print(table)
     for e in report["engines"]:

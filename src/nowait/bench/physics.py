@@ -137,7 +137,8 @@ def physics(
     report: Path = typer.Option(None, help="directory for roofline.png and physics.json"),
     threads: int = typer.Option(None, min=1, help="CPU threads (default: torch's choice)"),
     shape: str = typer.Option(None, help="a real model shape with random weights instead of --model: "
-                                         "qwen2.5-0.5b, llama-3.2-1b, llama-3.1-8b, llada-8b, dream-7b"),
+                                         "qwen2.5-0.5b, llama-3.2-1b, llama-3.1-8b, llada-8b, dream-7b, "
+                                         "diffusiongemma-26b-a4b (its denoiser step)"),
     dtype: str = typer.Option("fp32", help="with --shape: fp32 or bf16"),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
@@ -160,7 +161,8 @@ def physics(
     if threads:
         torch.set_num_threads(threads)
     if shape:
-        from nowait.bench.shapes import run_shape_command, shape_cases
+        from nowait.bench.shape_command import run_shape_command
+        from nowait.bench.shapes import shape_cases
 
         run_shape_command(shape, shape_cases(), dtype, device, budget, as_json, host_budget)
         return

@@ -135,7 +135,7 @@ def time_step(model: Transformer, case: StepCase, budget_s: float = 1.0, device:
             model(ids, cache, write_cache=case.causal)
             cache.lengths = filled.clone()
 
-        return _best_time(step, device, budget_s, repeats)
+        return best_time(step, device, budget_s, repeats)
     finally:
         config.causal = causal
 
@@ -150,10 +150,10 @@ def device_accelerator(device: str, budget_s: float = 3.0):
     peaks = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         a = torch.randn(8192, 8192, dtype=dtype, device=device)
-        peaks[name] = 2 * 8192**3 / _best_time(lambda a=a: a @ a, device, budget_s / 3) / 1e12
+        peaks[name] = 2 * 8192**3 / best_time(lambda a=a: a @ a, device, budget_s / 3) / 1e12
     source = torch.empty(2**28, dtype=torch.float32, device=device)  # 1 GiB
     target = torch.empty_like(source)
-    bandwidth = 2 * source.numel() * 4 / _best_time(lambda: target.copy_(source), device, budget_s / 3) / 1e12
+    bandwidth = 2 * source.numel() * 4 / best_time(lambda: target.copy_(source), device, budget_s / 3) / 1e12
     memory = torch.cuda.get_device_properties(device).total_memory / 1e9
     return Accelerator(name=torch.cuda.get_device_name(device), peak_tflops={k: float(f"{v:.4g}") for k, v in
                                                                                peaks.items()},
@@ -161,7 +161,7 @@ def device_accelerator(device: str, budget_s: float = 3.0):
                        source="measured by nowait bench --shape (torch matmul and copy)")
 
 
-def _best_time(run, device: str, budget_s: float, repeats: int = 20) -> float:
+def best_time(run, device: str, budget_s: float, repeats: int = 20) -> float:
     """The best of up to `repeats` timed runs after one warm-up, stopping once `budget_s` is spent."""
     run()
     _sync(device)
@@ -176,13 +176,14 @@ def _best_time(run, device: str, budget_s: float, repeats: int = 20) -> float:
     return best
 
 
-def predicted(config: ModelConfig, accelerator, dtype: str, case: StepCase) -> dict:
+def predicted(config: ModelConfig, accelerator, dtype: str, case: StepCase, spec=None) -> dict:
     """The planner's step time for this shape on this accelerator (its default efficiencies and
-    per-forward overhead), and the pure roofline's, in seconds."""
+    per-forward overhead), and the pure roofline's, in seconds. `spec`: a `planner.roofline.ModelSpec`
+    to cost instead of the dense `config` (a mixture of experts)."""
     from nowait.planner.hardware import host_node
     from nowait.planner.roofline import Deployment, ModelSpec, forward_time
 
-    deployment = Deployment(model=ModelSpec(name="shape", shape=config), accelerator=accelerator,
+    deployment = Deployment(model=spec or ModelSpec(name="shape", shape=config), accelerator=accelerator,
                             node=host_node(accelerator), dtype=dtype)
     planner = forward_time(deployment, case.new_tokens, case.cached_tokens, case.batch)
     ideal = forward_time(deployment.ideal(), case.new_tokens, case.cached_tokens, case.batch)
@@ -234,25 +235,3 @@ def print_shape_report(report: dict) -> None:
                       f"{c['achieved_flops'] / 1e9:.1f}", f"{c['achieved_bytes_per_s'] / 1e9:.1f}",
                       f"{c['tokens_per_s']:.1f}")
     Console().print(table)
-
-
-def run_shape_command(name: str, cases: list[StepCase], dtype: str, device: str, budget_s: float,
-                      as_json: bool, host_budget_s: float = 3.0) -> None:
-    """What `--shape` does on each bench: one clear line for a bad shape, dtype or device."""
-    import json
-
-    from nowait.checkpoints import check_device
-    from nowait.cli_errors import fail
-
-    try:
-        check_device(device)
-        shape_config(name)
-        if dtype not in SHAPE_DTYPES:
-            raise ShapeError(f"unknown dtype {dtype!r}; use fp32 or bf16")
-        report = measure_shape(name, cases, dtype, device, budget_s, host_budget_s)
-    except ValueError as error:
-        fail(str(error))
-    if as_json:
-        print(json.dumps(report))
-    else:
-        print_shape_report(report)

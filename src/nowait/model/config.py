@@ -61,25 +61,28 @@ class ModelConfig:
         return total
 
     def forward_cost(self, new_tokens: int, cached_tokens: int = 0, batch: int = 1,
-                     dtype_bytes: int = 2) -> ForwardCost:
+                     dtype_bytes: int = 2, output_tokens: int | None = None) -> ForwardCost:
         """FLOPs and bytes moved for a forward of `new_tokens` over `cached_tokens` per sequence.
 
         Matmuls: 2 FLOPs per weight per token. Attention: QK^T and AV, 4 * heads * head_dim
         FLOPs per (query, key) pair. Bytes: every weight read once per forward (the reason AR
         decode at batch 1 is memory-bound), the cache read, the new keys/values written, and
-        the activations entering and leaving each layer.
+        the activations entering and leaving each layer. `output_tokens`: the positions per
+        sequence projected onto the vocabulary (default: every new token; a prefill asks for
+        its last one only, `Transformer.forward`'s `output_positions`).
         """
         d, hd, layers = self.hidden_size, self.head_dim, self.num_layers
         tokens = new_tokens * batch
+        outputs = tokens if output_tokens is None else output_tokens * batch
         linear_weights = self.parameter_count(include_embeddings=False) - (2 * layers + 1) * d
         head_weights = self.vocab_size * d
         keys_per_query = cached_tokens + new_tokens
         attention_flops = 4 * self.num_heads * hd * new_tokens * keys_per_query * batch * layers
-        flops = 2 * (linear_weights + head_weights) * tokens + attention_flops
+        flops = 2 * linear_weights * tokens + 2 * head_weights * outputs + attention_flops
         kv_per_token = 2 * self.num_kv_heads * hd * layers
         weight_bytes = (self.parameter_count(include_embeddings=False) + head_weights) * dtype_bytes
         cache_bytes = (cached_tokens * batch + tokens) * kv_per_token * dtype_bytes
-        activation_bytes = 2 * tokens * d * layers * dtype_bytes + tokens * self.vocab_size * dtype_bytes
+        activation_bytes = 2 * tokens * d * layers * dtype_bytes + outputs * self.vocab_size * dtype_bytes
         return ForwardCost(flops=float(flops), bytes=float(weight_bytes + cache_bytes + activation_bytes))
 
 
