@@ -7,6 +7,7 @@ import torch
 from torch.testing import assert_close
 
 from nowait.model import KVCache, ModelConfig, Transformer, block_causal_mask
+from nowait.model.transformer import fuse_projections
 
 VOCAB = 64
 ATOL = 1e-5
@@ -155,7 +156,57 @@ def test_inference_reuses_intermediates_in_place_with_the_same_numbers(make_mode
     assert training.requires_grad
     assert torch.equal(inference, training.detach())
     training.float().sum().backward()  # and autograd still works through the training form
-    assert model.layers[0].mlp.gate_proj.weight.grad is not None
+    assert model.layers[0].mlp.gate_up_proj.weight.grad is not None
+
+
+@pytest.mark.parametrize("variant", ["gqa", "qkv_bias"])
+def test_state_dict_is_the_checkpoint_layout_and_loads_into_the_fused_layers(make_model, variant):
+    """The layers compute q/k/v and gate/up as one matmul each; the state dict is still one
+    tensor per projection (Hugging Face's names and shapes), each the rows of its fused layer,
+    and loading it (as it is, or fused first by `fuse_projections`) gives the same logits."""
+    model = make_model(**CONFIG_VARIANTS[variant])
+    c = model.config
+    state = model.state_dict()
+    attention, mlp = "layers.1.self_attn.", "layers.1.mlp."
+    assert not any("qkv_proj" in name or "gate_up_proj" in name for name in state)
+    assert state[attention + "q_proj.weight"].shape == (c.num_heads * c.head_dim, c.hidden_size)
+    assert state[attention + "v_proj.weight"].shape == (c.num_kv_heads * c.head_dim, c.hidden_size)
+    assert state[mlp + "up_proj.weight"].shape == (c.intermediate_size, c.hidden_size)
+    assert (attention + "k_proj.bias" in state) == c.qkv_bias
+    fused = model.layers[1].self_attn.qkv_proj.weight
+    q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    assert torch.equal(state[attention + "k_proj.weight"], fused[q_rows: q_rows + kv_rows])
+    assert torch.equal(state[mlp + "up_proj.weight"], model.layers[1].mlp.gate_up_proj.weight[c.intermediate_size:])
+
+    ids = random_ids(torch.Generator().manual_seed(14), 2, 7)
+    with torch.no_grad():
+        expected = model(ids)
+        loaded = make_model(seed=1, **CONFIG_VARIANTS[variant])
+        assert not torch.equal(loaded(ids), expected)
+        loaded.load_state_dict({name: tensor.clone() for name, tensor in state.items()})
+        assert torch.equal(loaded(ids), expected)
+        parts = {name: tensor.clone() for name, tensor in state.items()}
+        fuse_projections(parts, c)
+        assert attention + "q_proj.weight" not in parts and mlp + "gate_proj.weight" not in parts
+        assert parts[attention + "qkv_proj.weight"].shape == (q_rows + 2 * kv_rows, c.hidden_size)
+        other = make_model(seed=2, **CONFIG_VARIANTS[variant])
+        other.load_state_dict(parts)
+        assert torch.equal(other(ids), expected)
+
+
+def test_rotary_table_grows_past_max_position(make_model):
+    """The rotary table is built once for max_position positions and grown when a forward goes
+    further (a cache may hold more slots than max_position); its rows are the RoPE formula."""
+    model = make_model(max_position=8)
+    ids = random_ids(torch.Generator().manual_seed(15), 1, 12)
+    with torch.no_grad():
+        model(ids)
+        table = model.rope(1, torch.device("cpu"))
+        assert table.shape[0] >= 12
+        c = model.config
+        angles = 10 * c.rope_theta ** (-torch.arange(0, c.head_dim, 2).float() / c.head_dim)
+        assert_close(table[10, 0], torch.cat([angles, angles]).cos())
+        assert_close(table[10, 1], torch.cat([-angles.sin(), angles.sin()]))
 
 
 def test_ragged_decode_with_a_padding_row_and_a_view_of_later_rows(make_model):

@@ -26,6 +26,7 @@ from nowait.gemma_checkpoint import ARCHITECTURE as GEMMA_ARCHITECTURE
 from nowait.gemma_checkpoint import diffusion_gemma_config, load_diffusion_gemma
 from nowait.hub_tokenizer import read_tokenizer
 from nowait.model import ModelConfig, Transformer
+from nowait.model.transformer import fuse_projections
 from nowait.tokenizer import END, MASK, TextCodec
 
 __all__ = ["ARCHITECTURES", "CheckpointError", "LoadedModel", "load_pretrained", "save_pretrained"]
@@ -92,7 +93,9 @@ def save_pretrained(model: Transformer, codec: TextCodec, directory: str | Path,
     """Write a self-contained checkpoint directory (weights, config, tokenizer, generation)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    state = {_llama_tensor_name(k): v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    # .clone(): the state dict's q/k/v and gate/up are views of the fused tensors, and safetensors
+    # refuses tensors that share memory.
+    state = {_llama_tensor_name(k): v.detach().cpu().clone() for k, v in model.state_dict().items()}
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
     hf = config_to_hf(model.config)
     if notes:
@@ -175,6 +178,7 @@ def load_weights(directory: Path, architecture: Architecture, config: ModelConfi
         return tensor.to(device=device, dtype=dtype)
 
     state = {expected[name]: tensor for name, tensor in iter_tensors(files, expected, convert)}
+    fuse_projections(state, config)  # the model computes q/k/v and gate/up fused (nowait.model.transformer)
     model.load_state_dict(state, assign=True)
     head = architecture.head_name()
     if config.tie_embeddings and head in where:

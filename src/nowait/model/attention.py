@@ -97,6 +97,78 @@ def ragged_decode_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Te
 AttentionPattern = Tensor | str | IsolatedPrefix | RaggedDecode | None
 
 
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Everything a layer's attention needs, decided once per forward (every layer follows it,
+    and per-layer Python is a visible share of a small model's decode step).
+
+    `write`: where the new keys go: "ragged" (one per row, `pattern.slots`), "slice" (one row,
+    contiguous `positions`), "scatter" (`positions` [B, T]), "read" (attend to the cache's first
+    `key_slots` slots and the new keys, store nothing) or None (no cache). `kernel`: "isolated",
+    "ragged" (`bias`), or "sdpa" with `sdpa_mask` and `causal`."""
+
+    write: str | None
+    positions: Tensor | slice | None
+    key_slots: int
+    pattern: AttentionPattern
+    kernel: str
+    bias: Tensor | None
+    sdpa_mask: Tensor | None
+    causal: bool
+    gqa: bool
+
+
+def plan_attention(pattern: AttentionPattern, write: str | None, positions: Tensor | slice | None, key_slots: int,
+                   length: int, causal_default: bool, kv_heads: int, heads: int, dtype: torch.dtype) -> AttentionPlan:
+    """The kernel for `pattern` (see `attend`); `causal_default`: the config is causal and no
+    cache is read, so no pattern means causal."""
+    from_start = isinstance(pattern, str)  # CAUSAL_FROM_START
+    bias, kernel = None, "sdpa"
+    if isinstance(pattern, IsolatedPrefix):
+        kernel = "isolated"
+    elif isinstance(pattern, RaggedDecode):
+        kernel, bias = "ragged", pattern.bias
+    elif length == 1 and pattern is not None and not from_start:  # [B, 1, 1, S], True = may attend
+        kernel, bias = "ragged", grouped_bias(pattern[:, 0, 0], kv_heads, heads // kv_heads, dtype)
+    return AttentionPlan(write, positions, key_slots, pattern, kernel, bias,
+                         None if from_start or kernel != "sdpa" else pattern,
+                         from_start or (pattern is None and causal_default), kv_heads != heads)
+
+
+def attend(plan: AttentionPlan, q: Tensor, k: Tensor, v: Tensor, keys: Tensor | None, values: Tensor | None) -> Tensor:
+    """One layer's attention under `plan`: q [B, T, H, D], k and v [B, T, kv_heads, D] (the new
+    tokens'), `keys`/`values` the layer's cache [B, kv_heads, slots, D] (None without one);
+    the new keys stored as the plan says. Returns [B, T, H, D]."""
+    write, where, slots = plan.write, plan.positions, plan.key_slots
+    if write is not None:
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, kv_heads, T, D], the cache's layout
+        if write == "slice":  # one row: a contiguous write, no scatter
+            keys[:, :, where] = k
+            values[:, :, where] = v
+        elif write == "ragged":  # one new key per row: one flat copy per tensor
+            dim = keys.shape[-1]
+            keys.view(-1, dim).index_copy_(0, plan.pattern.slots, k.reshape(-1, dim).to(keys.dtype))
+            values.view(-1, dim).index_copy_(0, plan.pattern.slots, v.reshape(-1, dim).to(values.dtype))
+        elif write == "scatter":
+            rows = torch.arange(where.shape[0], device=where.device)[:, None].expand_as(where)
+            # Advanced indices around a slice put their dimensions first: [B, L, kv_heads, D].
+            keys[rows, :, where] = k.transpose(1, 2).to(keys.dtype)
+            values[rows, :, where] = v.transpose(1, 2).to(values.dtype)
+        if write == "read":  # the prefix, then the new keys, kept out of the cache
+            k = torch.cat([keys[:, :, :slots].to(q.dtype), k], dim=2)
+            v = torch.cat([values[:, :, :slots].to(q.dtype), v], dim=2)
+        else:
+            k, v = keys[:, :, :slots].to(q.dtype), values[:, :, :slots].to(q.dtype)
+    else:
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    if plan.kernel == "ragged":
+        return ragged_decode_attention(q, k, v, plan.bias)
+    if plan.kernel == "isolated":
+        return isolated_prefix_attention(q.transpose(1, 2), k, v, plan.pattern, plan.gqa).transpose(1, 2)
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=plan.sdpa_mask, is_causal=plan.causal,
+                                          enable_gqa=plan.gqa).transpose(1, 2)
+
+
 def key_padding_mask(valid_lengths: Tensor, length: int) -> Tensor:
     """[B, T] True where a key is a real token, False on right padding."""
     return torch.arange(length, device=valid_lengths.device)[None, :] < valid_lengths[:, None]

@@ -1,7 +1,11 @@
 """The transformer's layers and forward: RMSNorm, rotary embeddings, attention, SwiGLU.
 
-The forward places new tokens after each row's cached prefix and picks the attention pattern
-(`nowait.model.attention`) once for every layer.
+The forward places new tokens after each row's cached prefix and plans the attention
+(`nowait.model.attention`) once for every layer. A small model's decode step is per-operation
+overhead, not arithmetic, so each layer runs few operations: q/k/v and gate/up are one matmul
+each (fused at load time; the state dict keeps the checkpoint's layout), q and k are rotated
+in one pass from a table built once, the norms are one call each, and the weights are called
+directly rather than through a module per projection.
 """
 
 from __future__ import annotations
@@ -15,12 +19,11 @@ from torch import Tensor, nn
 from nowait.model.attention import (
     CAUSAL_FROM_START,
     AttentionPattern,
+    AttentionPlan,
     IsolatedPrefix,
-    RaggedDecode,
-    grouped_bias,
-    isolated_prefix_attention,
+    attend,
     key_padding_mask,
-    ragged_decode_attention,
+    plan_attention,
     ragged_decode_layout,
 )
 from nowait.model.config import ModelConfig
@@ -34,10 +37,12 @@ from nowait.model.kv_cache import KVCache
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     # Computed in fp32: the reduction over the hidden size loses precision in 16-bit.
-    x32 = x.float()
-    if torch.is_grad_enabled() or weight.dtype != x.dtype:  # (a weight of another dtype promotes)
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
-    return (x32 * x32.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()).to(x.dtype).mul_(weight)
+    # F.rms_norm is that formula (x in fp32 * rsqrt(mean(x^2) + eps), back to x's dtype, times
+    # the weight), bit for bit, as one call instead of six from Python.
+    if weight.dtype == x.dtype:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    x32 = x.float()  # a weight of another dtype promotes the result
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
 class RMSNorm(nn.Module):
@@ -70,116 +75,148 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None = None
                        torch.where(wavelength < original / high, frequency, blended))
 
 
-def rotary_tables(positions: Tensor, head_dim: int, theta: float,
-                  scaling: dict | None = None) -> tuple[Tensor, Tensor]:
-    """cos/sin of RoFormer's rotary embedding at integer positions [B, T] -> [B, T, 1, head_dim]."""
-    inverse_frequency = inverse_frequencies(head_dim, theta, scaling, positions.device)
-    angles = positions.float()[..., None] * inverse_frequency
-    angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
-    return angles.cos(), angles.sin()
+def rotary_table(positions: int, head_dim: int, theta: float, scaling: dict | None = None,
+                 device: torch.device | str = "cpu") -> Tensor:
+    """RoFormer's rotary embedding at positions [0, positions): [positions, 2, head_dim], cos then
+    the signed sin (-sin on the first half, sin on the second; see `apply_rotary`), in fp32.
+    Built once and indexed by position: the same numbers as computing them per forward."""
+    angles = torch.arange(positions, device=device).float()[:, None] * inverse_frequencies(head_dim, theta, scaling,
+                                                                                           device)
+    sin = angles.sin()
+    return torch.stack([torch.cat([angles, angles], dim=-1).cos(), torch.cat([-sin, sin], dim=-1)], dim=1)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate the two halves of each head (the Llama/Hugging Face layout, not interleaved)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    """Rotate the two halves of each head (the Llama/Hugging Face layout, not interleaved):
+    x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1]. Written as
+    [x2, x1] * [-sin, sin] (the sign moved onto the table, exactly the same products), the
+    swap is one flip and the whole rotation four operations. `cos` and `sin` [.., T, 1, D] (the
+    two halves of `rotary_table` rows) broadcast over x's heads: x [B, T, heads, D]."""
+    x32 = x.float()
+    swapped = x32.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
     if torch.is_grad_enabled():
-        return (x.float() * cos + rotated.float() * sin).to(x.dtype)
-    # In place, cos/sin must broadcast into x's shape (they always do: built from x's positions).
-    return (x.float() * cos).add_(rotated.float().mul_(sin)).to(x.dtype)
+        return (x32 * cos + swapped * sin).to(x.dtype)
+    return (x32 * cos).add_(swapped.mul_(sin)).to(x.dtype)  # swapped is a fresh copy: in place
+
+
+ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj")
+MLP_PARTS = ("gate_proj", "up_proj")
+
+
+def _fuse_parts(state: dict[str, Tensor], prefix: str, fused: str, parts: tuple[str, ...]) -> None:
+    for kind in ("weight", "bias"):
+        names = [f"{prefix}{name}.{kind}" for name in parts]
+        if all(name in state for name in names):
+            state[f"{prefix}{fused}.{kind}"] = torch.cat([state.pop(name) for name in names])
+
+
+def _fused_state_dict(fused: str, parts: dict[str, int]):
+    """State-dict hooks for a module computing `parts` (name -> output rows) as one linear layer
+    `fused`: its state dict keeps the checkpoint's layout, one tensor per part (views of the
+    fused one), and loading one concatenates the parts, so every checkpoint reader, file and
+    trained model loads unchanged while a forward runs one matmul where there were several."""
+    sizes = list(parts.values())
+
+    def split(_module: nn.Module, state: dict, prefix: str, _metadata: dict) -> None:
+        for kind in ("weight", "bias"):
+            tensor = state.pop(f"{prefix}{fused}.{kind}", None)
+            if tensor is not None:
+                for name, piece in zip(parts, tensor.split(sizes), strict=True):
+                    state[f"{prefix}{name}.{kind}"] = piece
+
+    def fuse(_module: nn.Module, state: dict, prefix: str, *_args) -> None:
+        _fuse_parts(state, prefix, fused, tuple(parts))
+
+    return split, fuse
+
+
+def fuse_projections(state: dict[str, Tensor], config: ModelConfig) -> None:
+    """Concatenate a checkpoint-layout state dict's q/k/v and gate/up tensors into the fused
+    ones, in place, one layer at a time, each part dropped as it is used. `load_state_dict`
+    fuses too, but from its own copy of the dict, which holds every part until it ends: a
+    loader calls this first so a large checkpoint's weights are never in memory twice."""
+    for layer in range(config.num_layers):
+        _fuse_parts(state, f"layers.{layer}.self_attn.", "qkv_proj", ATTENTION_PARTS)
+        _fuse_parts(state, f"layers.{layer}.mlp.", "gate_up_proj", MLP_PARTS)
+
+
+class FusedLinear(nn.Linear):
+    """Linear layers over the same input as one: their outputs side by side, `parts[i]` rows
+    each (one matmul, one read of the input, where there were several)."""
+
+    def __init__(self, in_features: int, parts: list[int], bias: bool) -> None:
+        super().__init__(in_features, sum(parts), bias=bias)
+        self.parts = list(parts)
 
 
 class Attention(nn.Module):
+    """q, k and v as one linear layer `qkv_proj` (its state dict: q_proj, k_proj, v_proj)."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         hd = config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, config.num_heads * hd, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * hd, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * hd, bias=config.qkv_bias)
+        sizes = [config.num_heads * hd, config.num_kv_heads * hd, config.num_kv_heads * hd]
+        self.qkv_proj = FusedLinear(config.hidden_size, sizes, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.num_heads * hd, config.hidden_size, bias=False)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: AttentionPattern, layer: int,
-                cache: KVCache | None, write_positions: Tensor | slice | None, key_slots: int) -> Tensor:
-        batch, length, _ = x.shape
-        c = self.config
-        q = self.q_proj(x).view(batch, length, c.num_heads, c.head_dim)
-        k = self.k_proj(x).view(batch, length, c.num_kv_heads, c.head_dim)
-        v = self.v_proj(x).view(batch, length, c.num_kv_heads, c.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, kv_heads, L, D], the cache's layout
-        if cache is not None:
-            keys, values = cache.keys[layer], cache.values[layer]
-            if isinstance(mask, RaggedDecode):  # one new key per row: one flat copy per tensor
-                dim = keys.shape[-1]
-                keys.view(-1, dim).index_copy_(0, mask.slots, k.reshape(-1, dim).to(keys.dtype))
-                values.view(-1, dim).index_copy_(0, mask.slots, v.reshape(-1, dim).to(values.dtype))
-                k, v = keys[:, :, :key_slots].to(q.dtype), values[:, :, :key_slots].to(q.dtype)
-            elif isinstance(write_positions, slice):  # one row: a contiguous write, no scatter
-                keys[:, :, write_positions] = k.to(keys.dtype)
-                values[:, :, write_positions] = v.to(values.dtype)
-                k, v = keys[:, :, :key_slots].to(q.dtype), values[:, :, :key_slots].to(q.dtype)
-            elif write_positions is not None:
-                rows = torch.arange(batch, device=x.device)[:, None].expand_as(write_positions)
-                # Advanced indices around a slice put their dimensions first: [B, L, kv_heads, D].
-                keys[rows, :, write_positions] = k.transpose(1, 2).to(keys.dtype)
-                values[rows, :, write_positions] = v.transpose(1, 2).to(values.dtype)
-                k, v = keys[:, :, :key_slots].to(q.dtype), values[:, :, :key_slots].to(q.dtype)
-            else:  # read the prefix, keep the new keys out of the cache
-                k = torch.cat([keys[:, :, :key_slots].to(q.dtype), k], dim=2)
-                v = torch.cat([values[:, :, :key_slots].to(q.dtype), v], dim=2)
-        from_start = isinstance(mask, str)  # CAUSAL_FROM_START
-        if isinstance(mask, IsolatedPrefix):
-            gqa = c.num_kv_heads != c.num_heads
-            out = isolated_prefix_attention(q.transpose(1, 2), k, v, mask, gqa).transpose(1, 2)
-        elif isinstance(mask, RaggedDecode):
-            out = ragged_decode_attention(q, k, v, mask.bias)
-        elif length == 1 and mask is not None and not from_start:  # [B, 1, 1, S], True = may attend
-            bias = grouped_bias(mask[:, 0, 0], c.num_kv_heads, c.num_heads // c.num_kv_heads, q.dtype)
-            out = ragged_decode_attention(q, k, v, bias)
-        else:
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k, v,
-                attn_mask=None if from_start else mask,
-                is_causal=from_start or (mask is None and c.causal and cache is None),
-                enable_gqa=c.num_kv_heads != c.num_heads,
-            ).transpose(1, 2)
-        return self.o_proj(out.reshape(batch, length, -1))
+        split, fuse = _fused_state_dict("qkv_proj", dict(zip(ATTENTION_PARTS, sizes, strict=True)))
+        self.register_state_dict_post_hook(split)
+        self.register_load_state_dict_pre_hook(fuse)
 
 
 class MLP(nn.Module):
-    """SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x))."""
+    """SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x)), gate and up as one linear layer
+    `gate_up_proj` (its state dict: gate_proj, up_proj)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = FusedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        if torch.is_grad_enabled():
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate = F.silu(self.gate_proj(x), inplace=True)
-        return self.down_proj(gate.mul_(self.up_proj(x)))
+        split, fuse = _fused_state_dict("gate_up_proj", dict.fromkeys(MLP_PARTS, config.intermediate_size))
+        self.register_state_dict_post_hook(split)
+        self.register_load_state_dict_pre_hook(fuse)
 
 
 class Block(nn.Module):
+    """One layer, its forward written out with the weights called directly (no module call per
+    projection): the fewest operations and the least Python per layer, as every forward,
+    training included, runs it."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        self.heads, self.kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.eps = config.rms_norm_eps
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: AttentionPattern, layer: int,
-                cache: KVCache | None, write_positions: Tensor | slice | None, key_slots: int) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, layer, cache, write_positions, key_slots)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: Tensor, batch: int, length: int, cos: Tensor, sin: Tensor, plan: AttentionPlan,
+                keys: Tensor | None, values: Tensor | None) -> Tensor:
+        """x [B * T, hidden] (2-D: a matmul on it is one operation, on [B, T, hidden] three)."""
+        heads, kv_heads = self.heads, self.kv_heads
+        attn, mlp = self.self_attn, self.mlp
+        qkv = F.linear(rms_norm(x, self.input_layernorm.weight, self.eps), attn.qkv_proj.weight, attn.qkv_proj.bias)
+        qkv = qkv.view(batch, length, heads + 2 * kv_heads, self.head_dim)
+        qk = apply_rotary(qkv[:, :, : heads + kv_heads], cos, sin)  # q and k rotated in one pass
+        out = attend(plan, qk[:, :, :heads], qk[:, :, heads:], qkv[:, :, heads + kv_heads:], keys, values)
+        out = F.linear(out.reshape(batch * length, -1), attn.o_proj.weight)
+        inference = not torch.is_grad_enabled()
+        # Without gradients the fresh intermediates are reused in place: the same operations on
+        # the same numbers, bit for bit, without allocating and writing another tensor.
+        x = out.add_(x) if inference else x + out
+        gate, up = F.linear(rms_norm(x, self.post_attention_layernorm.weight, self.eps),
+                            mlp.gate_up_proj.weight).split(mlp.intermediate, dim=-1)
+        hidden = F.silu(gate, inplace=True).mul_(up) if inference else F.silu(gate) * up
+        out = F.linear(hidden, mlp.down_proj.weight)
+        return out.add_(x) if inference else x + out
 
 
 class Transformer(nn.Module):
     """Parameter names follow Hugging Face Llama (`model.layers.0.self_attn.q_proj.weight`)
-    minus the `model.` prefix, so checkpoints map by a prefix alone."""
+    minus the `model.` prefix, so checkpoints map by a prefix alone: the state dict reads and
+    writes that layout, while the modules hold q/k/v and gate/up fused (`Attention`, `MLP`)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -189,10 +226,14 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.apply(self._init_weights)
+        self._rope: Tensor | None = None  # `rotary_table`, built on first use on the weights' device
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, std=0.02)
+            # A fused layer is drawn part by part, in the order of the separate layers it
+            # replaces: a seed gives the same random weights as before the fusion.
+            for piece in module.weight.data.split(getattr(module, "parts", [module.out_features])):
+                nn.init.normal_(piece, std=0.02)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
@@ -200,6 +241,15 @@ class Transformer(nn.Module):
 
     def output_weight(self) -> Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def rope(self, positions: int, device: torch.device) -> Tensor:
+        """The rotary table for at least `positions` positions (grown by doubling when short)."""
+        table = self._rope
+        if table is None or table.device != device or table.shape[0] < positions:
+            c = self.config
+            rows = max(positions, c.max_position, 2 * table.shape[0] if table is not None else 0)
+            table = self._rope = rotary_table(rows, c.head_dim, c.rope_theta, c.rope_scaling, device)
+        return table
 
     def forward(self, input_ids: Tensor, cache: KVCache | None = None, valid_lengths: Tensor | None = None,
                 write_cache: bool = True, attention_mask: Tensor | None = None,
@@ -222,51 +272,77 @@ class Transformer(nn.Module):
         device = input_ids.device
         c = self.config
         padded = valid_lengths is not None
-        if valid_lengths is None:
+        if valid_lengths is None and cache is not None and batch > 1:  # the only forwards that read them
             valid_lengths = torch.full((batch,), length, dtype=torch.long, device=device)
-        offsets = cache.lengths if cache is not None else torch.zeros(batch, dtype=torch.long, device=device)
-        if positions is None:
-            positions = offsets[:, None] + torch.arange(length, device=device)
-        cos, sin = rotary_tables(positions, c.head_dim, c.rope_theta, c.rope_scaling)
-        mask, write_positions, key_slots = attention_mask, None, 0
+        mask, write, where, key_slots, start = attention_mask, None, None, 0, 0
         if mask is not None:
             mask = mask[:, None]
         if cache is not None:
-            mask, write_positions, key_slots = self._cache_mask(cache, length, valid_lengths, write_cache, padded)
+            mask, write, where, key_slots = self._cache_mask(cache, length, valid_lengths, write_cache, padded)
+            start = where.start if isinstance(where, slice) else None
         if isolated_prefix:
-            if c.causal or not isinstance(write_positions, slice) or not 0 < isolated_prefix < length:
+            if c.causal or write != "slice" or not 0 < isolated_prefix < length:
                 raise ValueError("isolated_prefix needs a bidirectional model, one unpadded row written to a cache, "
                                  f"and 0 < isolated_prefix < {length} new tokens")
-            mask = IsolatedPrefix(isolated_prefix, write_positions.start + isolated_prefix)
-        elif mask is None and (not c.causal) and bool((valid_lengths < length).any()):
+            mask = IsolatedPrefix(isolated_prefix, where.start + isolated_prefix)
+        elif mask is None and (not c.causal) and padded and bool((valid_lengths < length).any()):
             mask = key_padding_mask(valid_lengths, length)[:, None, None, :].expand(batch, 1, length, length)
-        x = self.embed_tokens(input_ids)
-        for index, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, index, cache, write_positions, key_slots)
-        if cache is not None and write_cache:
-            cache.lengths = cache.lengths + valid_lengths
+        rope = self._positions_rope(positions, start, cache, length, key_slots, device)
+        weight = self.embed_tokens.weight
+        plan = plan_attention(mask, write, where, key_slots, length, c.causal and cache is None, c.num_kv_heads,
+                              c.num_heads, weight.dtype)
+        cos, sin = rope[..., 0:1, :], rope[..., 1:2, :]
+        x = F.embedding(input_ids.reshape(-1), weight)
+        if cache is None:
+            for layer in self.layers:
+                x = layer(x, batch, length, cos, sin, plan, None, None)
+        else:
+            for layer, keys, values in zip(self.layers, cache.keys, cache.values, strict=True):
+                x = layer(x, batch, length, cos, sin, plan, keys, values)
+            if write_cache:
+                cache.lengths = cache.lengths + (valid_lengths if valid_lengths is not None else length)
+        x = x.view(batch, length, -1)
         if output_positions is not None:
             x = x.gather(1, output_positions[..., None].expand(-1, -1, x.shape[-1]))
         return F.linear(self.norm(x), self.output_weight())
 
-    def _cache_mask(self, cache: KVCache, length: int, valid_lengths: Tensor, write_cache: bool,
-                    padded: bool = True) -> tuple[AttentionPattern, Tensor | slice | None, int]:
+    def _positions_rope(self, positions: Tensor | None, start: int | None, cache: KVCache | None, length: int,
+                        key_slots: int, device: torch.device) -> Tensor:
+        """Each new token's `rotary_table` row, [B or 1, T, 2, head_dim]: a slice of the table
+        when every row's positions are the same run (no cache, or one row written in place),
+        else one lookup."""
+        if positions is not None:
+            return self.rope(int(positions.max()) + 1, device)[positions]
+        if cache is None or start is not None:
+            start = start or 0
+            return self.rope(start + length, device)[None, start: start + length]
+        needed = max(cache.max_tokens, key_slots + length)
+        return self.rope(needed, device)[cache.lengths[:, None] + torch.arange(length, device=device)]
+
+    def _cache_mask(self, cache: KVCache, length: int, valid_lengths: Tensor | None, write_cache: bool,
+                    padded: bool = True) -> tuple[AttentionPattern, str, Tensor | slice | None, int]:
+        """The pattern, where the new keys go ("slice", "ragged", "scatter" or "read", as
+        `AttentionPlan.write`) and their positions, and how many cache slots attention reads."""
         device = cache.lengths.device
         prefix = cache.lengths
-        new_index = torch.arange(length, device=device)
-        if write_cache and cache.batch == 1 and not padded:
+        if cache.batch == 1 and not padded:
             # One row, no padding (batch-1 decode, a speculative verify, a diffusion step): every
             # cached key is valid, so a bidirectional forward or one new token needs no mask at
-            # all and several causal ones need only the causal tail; the keys go to one
+            # all and several causal ones need only the causal tail; written, the keys go to one
             # contiguous slice. Same result, a fraction of the ops.
             start = int(prefix[0])
-            if start + length > cache.max_tokens:
+            if write_cache and start + length > cache.max_tokens:
                 raise ValueError(f"KV cache holds {cache.max_tokens} tokens; this forward needs more")
             mask = None
             if length > 1 and self.config.causal:
                 slot = torch.arange(start + length, device=device)
+                new_index = torch.arange(length, device=device)
                 mask = (slot[None, :] <= (start + new_index)[:, None])[None, None] if start else CAUSAL_FROM_START
-            return mask, slice(start, start + length), start + length
+            if write_cache:
+                return mask, "slice", slice(start, start + length), start + length
+            if mask is not CAUSAL_FROM_START:  # (the positions of the new tokens, not written)
+                return mask, "read", slice(start, start + length), start
+        new_index = torch.arange(length, device=device)
         if write_cache:
             if int((prefix + length).max()) > cache.max_tokens:
                 raise ValueError(f"KV cache holds {cache.max_tokens} tokens; this forward needs more")
@@ -276,15 +352,15 @@ class Transformer(nn.Module):
                 c = self.config
                 return (ragged_decode_layout(prefix, valid_lengths, c.num_kv_heads, c.num_heads // c.num_kv_heads,
                                              cache.max_tokens, key_slots, self.embed_tokens.weight.dtype),
-                        write_positions, key_slots)
+                        "ragged", write_positions, key_slots)
             if self.config.causal and key_slots == length and length > 1 and not bool(prefix.any()):
-                return CAUSAL_FROM_START, write_positions, key_slots
+                return CAUSAL_FROM_START, "scatter", write_positions, key_slots
             slot = torch.arange(key_slots, device=device)
             valid = slot[None, :] < (prefix + valid_lengths)[:, None]  # [B, S]
             mask = valid[:, None, :].expand(-1, length, -1)
             if self.config.causal:
                 mask = mask & (slot[None, None, :] <= write_positions[:, :, None])
-            return mask[:, None], write_positions, key_slots
+            return mask[:, None], "scatter", write_positions, key_slots
         key_slots = int(prefix.max())
         prefix_valid = torch.arange(key_slots, device=device)[None, :] < prefix[:, None]  # [B, P]
         new_valid = new_index[None, :] < valid_lengths[:, None]  # [B, T]
@@ -293,7 +369,7 @@ class Transformer(nn.Module):
             causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
             mask = mask.clone()
             mask[:, :, key_slots:] &= causal
-        return mask[:, None], None, key_slots
+        return mask[:, None], "read", None, key_slots
 
 
 def count_parameters(model: nn.Module) -> int:
