@@ -58,3 +58,21 @@ def test_fleet_up_status_down(tmp_path, codec):
             assert down.returncode == 0, down.stderr[-2000:]
     assert cluster_processes(state["local_cluster"]) == []  # no Ray process of that cluster is left
     assert not (tmp_path / "state.json").exists()
+
+
+def test_fleet_up_refuses_a_missing_checkpoint_in_one_line_before_ray_starts(tmp_path, codec):
+    models = save_tiny_models(tmp_path / "models", codec)
+    (tmp_path / "no-weights").mkdir()
+    for name in ("config.json", "tokenizer.json"):  # all but the weights
+        (tmp_path / "no-weights" / name).write_text((tmp_path / "models" / "ar" / name).read_text())
+    config = {"engines": {"ar": {"kind": "ar", "model": str(tmp_path / "absent")},
+                          "spec": {"kind": "spec", "model": models["ar"], "draft": str(tmp_path / "no-weights")}},
+              "routing": {"fast_engine": None}, "data_dir": str(tmp_path / "data")}
+    (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(config))
+    env = {**os.environ, "NOWAIT_FLEET_STATE": str(tmp_path / "state.json"), "RAY_USAGE_STATS_ENABLED": "0"}
+    up = nowait("fleet", "up", str(tmp_path / "fleet.yaml"), env=env)
+    assert up.returncode == 2
+    [line] = up.stderr.strip().splitlines()  # one line, naming each engine's bad checkpoint
+    assert "engine 'ar' model:" in line and "absent: no such checkpoint directory" in line
+    assert "engine 'spec' draft:" in line and "missing model.safetensors" in line
+    assert not (tmp_path / "state.json").exists()  # no fleet was started

@@ -44,7 +44,10 @@ def _connect(address: str) -> None:
 @fleet_app.command("up")
 def up(config: Path = typer.Argument(..., help="nowait.yaml: engines (with their `fleet` sections), fleet, store"),
        num_cpus: float = typer.Option(None, help="a local cluster's CPUs (default: Ray's, every core)"),
-       num_gpus: float = typer.Option(None, help="a local cluster's GPUs (default: Ray's, those it finds)")) -> None:
+       num_gpus: float = typer.Option(None, help="a local cluster's GPUs (default: Ray's, those it finds)"),
+       skip_model_check: bool = typer.Option(False, "--skip-model-check",
+                                             help="the checkpoints are not on this machine (only on the cluster's "
+                                                  "nodes): do not check them here")) -> None:
     """Deploy the gateway and every owned engine as a Ray Serve application; returns once it serves."""
     from nowait.gateway.config import ConfigError, load_config
 
@@ -54,6 +57,12 @@ def up(config: Path = typer.Argument(..., help="nowait.yaml: engines (with their
         _fail(str(error))
     if load_state() is not None:
         _fail("a fleet is already up (`nowait fleet down` first)")
+    if not skip_model_check:  # before any Ray process: a wrong path is one line, not a replica restarting
+        from nowait.fleet.preflight import checkpoint_problems
+
+        problems = checkpoint_problems(settings)
+        if problems:
+            _fail("; ".join(problems))
     marker = None
     address = settings.fleet.ray_address
     if address is None:
