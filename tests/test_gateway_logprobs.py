@@ -191,6 +191,20 @@ def test_a_routed_template_request_with_logprobs_runs_on_ar(server):
     assert error.value.body["code"] == "logprobs_unsupported" and error.value.body["param"] == "logprobs"
 
 
+def test_a_routed_frontier_request_with_logprobs_runs_on_the_owned_frontier_engine(server):
+    """The remote frontier cannot give logprobs; routed (not pinned), the request goes where the
+    router sends a failing upstream's, the owned frontier engine, instead of failing."""
+    raw = server.client().chat.completions.with_raw_response.create(
+        model="nowait", messages=MESSAGES, max_tokens=4, logprobs=True,
+        extra_body={"nowait": {"token_value_usd_per_mtok": 20, "data_class": "internal"}})
+    response = raw.parse()
+    info = response.model_extra["nowait"]
+    assert info["rule"] == "frontier" and info["engines_tried"][0]["engine"] == "frontier-api"
+    assert raw.headers["x-nowait-route"] == info["route"] != "frontier-api" and info["fallback"] is True
+    assert "cannot return logprobs" in info["reason"]
+    assert len(response.choices[0].logprobs.content) > 0
+
+
 @pytest.mark.parametrize(("endpoint", "fields", "param", "code"), [
     ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "integer_above_max_value"),
     ("chat", {"logprobs": True, "top_logprobs": -1}, "top_logprobs", "integer_below_min_value"),

@@ -157,6 +157,8 @@ class Dispatcher:
         answer, not for that engine. A timeout (504) does not: the time is already spent."""
         if isinstance(error, UpstreamFailure) and decision.rule != "pinned":
             return failover(decision.engine, self.policy)
+        if error.code == LOGPROBS_UNSUPPORTED and decision.rule != "pinned" and failover(decision.engine, self.policy):
+            return failover(decision.engine, self.policy)  # routed to a remote frontier: the owned one has them
         if decision.fallback_engine is None:
             return None
         if error.code in (SCHEMA_UNSUPPORTED, LOGPROBS_UNSUPPORTED) or error.status in (429, 500, 503):
