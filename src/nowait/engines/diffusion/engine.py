@@ -31,6 +31,7 @@ import torch
 
 from nowait.engines.base import Completion, GenerationRequest, StreamChunk
 from nowait.engines.diffusion.cache import (
+    CacheStorage,
     forward_spans,
     output_window,
     prefill,
@@ -72,6 +73,7 @@ class DiffusionEngine:
             raise ValueError("give end_ids: this tokenizer has no <|endoftext|> token to default to")
         self.end_id = self.end_ids[0]  # also pads the rows of a batch
         self.compiler = TemplateCompiler(codec, self.mask_id)
+        self.storage = CacheStorage()  # cache memory kept from one request to the next
 
     def plan(self, request: GenerationRequest) -> DecodePlan:
         """Validate a request (InvalidRequestError) and lay out its answer window."""
@@ -83,7 +85,7 @@ class DiffusionEngine:
         completions: list[Completion | None] = [None] * len(rows)
         for mode in dict.fromkeys(plan.options.cache for plan in plans):
             batch = _Scheduler(self.model, [r for r in rows if r.plan.options.cache == mode], mode,
-                               self.max_batch, self.end_id)
+                               self.max_batch, self.end_id, self.storage)
             for row, event in batch.events():
                 if event == "done":
                     completions[row.index] = row.completion(self.name, self.codec)
@@ -97,7 +99,7 @@ class DiffusionEngine:
     def _stream(self, plan: DecodePlan) -> Iterator[StreamChunk]:
         [row] = self._rows([plan])
         sent_text, sent_ids = "", 0
-        for _, event in _Scheduler(self.model, [row], plan.options.cache, 1, self.end_id).events():
+        for _, event in _Scheduler(self.model, [row], plan.options.cache, 1, self.end_id, self.storage).events():
             if event == "done":
                 completion = row.completion(self.name, self.codec)
                 yield StreamChunk(text=completion.text[len(sent_text):], token_ids=completion.token_ids[sent_ids:],
@@ -123,8 +125,9 @@ class _Scheduler:
     """Decodes rows of one cache mode, at most `max_batch` at a time."""
 
     def __init__(self, model: Transformer, rows: list[RowState], cache_mode: str, max_batch: int,
-                 pad_id: int) -> None:
+                 pad_id: int, storage: CacheStorage | None = None) -> None:
         self.model, self.cache_mode, self.max_batch, self.pad_id = model, cache_mode, max_batch, pad_id
+        self.storage = storage
         self.waiting = deque(rows)
         self.active: list[RowState] = []  # active[i] owns row i of the cache
         self.cache: KVCache | None = None
@@ -181,7 +184,8 @@ class _Scheduler:
             for row in joining:
                 row.prompt_pending = merge and row.prompt_prefix > 0
             prefixes = [row.tokens[: 0 if row.prompt_pending else row.prompt_prefix] for row in joining]
-            fresh = prefill(self.model, prefixes, capacity, self.pad_id, one_by_one=self._row_by_row(everyone))
+            fresh = prefill(self.model, prefixes, capacity, self.pad_id, one_by_one=self._row_by_row(everyone),
+                            storage=self.storage if self.cache is None else None)
             for row in joining:
                 row.forwards += row.prompt_prefix > 0 and not row.prompt_pending
             self.cache = fresh if self.cache is None else stack_caches(self.model, self.cache, fresh, capacity)
@@ -246,11 +250,13 @@ class _Scheduler:
         if self.cache_mode != "none":
             cache = self._one_row(members[0]) if alone else self.cache
         write = self.cache_mode == "dual"
-        written_at = cache.lengths.clone() if write else None
+        # A forward replaces its cache's lengths (never writes into them): put the old ones back.
+        before = cache.lengths if write else None
+        written_at = before.tolist() if write else None
         outputs = output_window([first for first, _ in blocks], [count for _, count in blocks], spans[0].device)
         logits = forward_spans(self.model, spans, starts, self.pad_id, cache, write=write, outputs=outputs)
         if write:
-            cache.lengths = written_at.clone()  # a view's: the batch cache's lengths were never changed
+            cache.lengths = before  # a view's: the batch cache's lengths were never changed
         for k, i in enumerate(members):
             if i not in indices:
                 continue
@@ -258,7 +264,7 @@ class _Scheduler:
             row.forwards += 1
             committed = row.decide(logits[k, : blocks[k][1]], ranges[k][0])
             if write:
-                row.keep_step_cache(self.cache, i, int(written_at[k]), committed)
+                row.keep_step_cache(self.cache, i, written_at[k], committed)
 
     def _retire(self) -> None:
         keep = [i for i, row in enumerate(self.active) if not row.done]
@@ -267,4 +273,6 @@ class _Scheduler:
             if keep:
                 self.cache.select(torch.tensor(keep, device=self.cache.lengths.device))
             else:
+                if self.storage is not None:
+                    self.storage.release(self.cache)
                 self.cache, self.capacity = None, 0

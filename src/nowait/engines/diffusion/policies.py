@@ -102,8 +102,9 @@ def commit_fixed(score: Tensor, still_masked: Tensor, count: int) -> Tensor:
 def _with_best(chosen: Tensor, score: Tensor, still_masked: Tensor) -> Tensor:
     """Add each row's best masked position, so every row with work left commits something."""
     best = score.masked_fill(~still_masked, float("-inf")).argmax(-1, keepdim=True)
-    has_work = still_masked.any(-1, keepdim=True)
-    return chosen | (torch.zeros_like(chosen).scatter(-1, best, True) & has_work)
+    # The best masked position is set (a row with nothing masked sets nothing): one scatter,
+    # not a one-hot mask combined with the row's any().
+    return chosen.scatter(-1, best, still_masked.gather(-1, best) | chosen.gather(-1, best))
 
 
 # Fast-dLLM (arXiv 2505.22618), Sec. 3.3 threshold rule: commit every masked position whose

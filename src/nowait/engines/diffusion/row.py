@@ -19,6 +19,7 @@ from nowait.engines.base import Completion, Timings, TokenLogprob
 from nowait.engines.diffusion.cache import cut_slots, keep_slot_runs, slot_runs
 from nowait.engines.diffusion.policies import (
     choose_commits,
+    commit_above_threshold,
     filter_top_k_top_p,
     fixed_count,
     gumbel_noise,
@@ -29,6 +30,7 @@ from nowait.engines.diffusion.policies import (
 from nowait.engines.diffusion.request import DecodePlan
 from nowait.engines.logprobs import chosen_logprobs
 from nowait.engines.structured.templates import read_template
+from nowait.engines.structured.token_automaton import SlotAutomaton
 from nowait.model import KVCache
 from nowait.tokenizer import TextCodec
 
@@ -39,6 +41,7 @@ class RowState:
         self.shift = int(shift)
         self.prompt_length, self.window_length = len(plan.prompt), len(plan.window)
         self.tokens = torch.tensor(plan.prompt + plan.window, dtype=torch.long, device=device)
+        self.window = self.tokens[self.prompt_length:]  # a view: writing it writes `tokens`
         self.fillable = torch.tensor(plan.fillable, dtype=torch.bool, device=device)
         self.confidence = torch.full((self.window_length,), float("nan"), device=device)
         # Asked for: each position's logprob, kept when the position is committed (`decide`).
@@ -62,6 +65,10 @@ class RowState:
         if sampling.temperature > 0:
             seed = sampling.seed if sampling.seed is not None else random.randrange(2**63)
             self.generator = torch.Generator().manual_seed(seed)
+        self._window_positions = torch.arange(self.window_length, device=device)
+        options = plan.options
+        self._greedy_threshold = (plan.template is None and sampling.temperature == 0 and options.policy == "threshold"
+                                  and options.score == "probability")
         self.slot_of = [-1] * self.window_length  # window position -> slot index (templates)
         if plan.template is not None:
             for k, slot in enumerate(plan.template.template.slots):
@@ -69,10 +76,6 @@ class RowState:
                     self.slot_of[slot.start + offset] = k
 
     # --- geometry ---
-
-    @property
-    def window(self) -> Tensor:
-        return self.tokens[self.prompt_length:]
 
     @property
     def block(self) -> tuple[int, int]:
@@ -219,9 +222,11 @@ class RowState:
         lo, hi = self.block
         first = lo if first is None else first
         options, sampling = self.plan.options, self.plan.request.sampling
-        where = self._masked(lo, hi).nonzero().flatten()  # block offsets still to fill
         steps_done = self.steps_in_block
         self.steps_in_block += 1
+        if self._greedy_threshold:  # the fast default: the same commits as below, in fewer operations
+            return self._decide_greedy_threshold(logits, first)
+        where = self._masked(lo, hi).nonzero().flatten()  # block offsets still to fill
         if not len(where):
             return where
         logits = logits[where - (first - lo)].float()
@@ -229,9 +234,10 @@ class RowState:
         probabilities = logits.softmax(-1)
         allowed = forced = None
         if self.plan.template is not None:
-            allowed, forced = self._allowed([lo + int(p) for p in where], logits.shape[-1])
+            allowed, forced = self._allowed([lo + p for p in where.tolist()], logits.shape[-1])
             allowed, forced = allowed.to(logits.device), forced.to(logits.device)
-        choice = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
+        refused = None if allowed is None else ~allowed
+        choice = logits if allowed is None else logits.masked_fill(refused, float("-inf"))
         noise = None
         if sampling.temperature > 0:
             choice = filter_top_k_top_p(choice, sampling.top_k, sampling.top_p)
@@ -240,7 +246,9 @@ class RowState:
         # The reported confidence is the model's own probability of the token, not renormalized
         # over what the template allows: a forced token the model did not want stays unsure.
         chosen_probability = token_probability(probabilities, prediction)
-        ranked = probabilities if allowed is None else probabilities.masked_fill(~allowed, 0.0)
+        # The probability score reads only the chosen token's: no need to mask the rest.
+        ranked = probabilities if allowed is None or options.score == "probability" \
+            else probabilities.masked_fill(refused, 0.0)
         score = position_scores(options.score, ranked, chosen_probability)
         if forced is not None:  # a position with one legal token has nothing to wait for
             score = torch.where(forced, torch.ones_like(score), score)
@@ -254,10 +262,33 @@ class RowState:
         positions = where + lo
         if self.plan.template is not None:
             commit = self._consistent(positions, commit, prediction, score)
-        self.window[positions[commit]] = prediction[commit]
-        self.confidence[positions[commit]] = chosen_probability[commit]
+        return self._commit(where, positions, commit, prediction, chosen_probability, logits)
+
+    def _decide_greedy_threshold(self, logits: Tensor, first: int) -> Tensor:
+        """`decide` for greedy free-form decoding under the threshold rule and the probability
+        score. Every row of `logits` is scored, masked or not (softmax, argmax and the
+        threshold are per row, so a masked row's numbers are those of `decide`), and only the
+        masked ones may be chosen: no gather of the masked rows first, no index lists."""
+        count = logits.shape[0]
+        positions = self._window_positions[first: first + count]
+        logits = logits.float()
+        logits[:, self.mask_id] = float("-inf")  # committing the mask token would commit nothing
+        probabilities = logits.softmax(-1)
+        prediction = logits.argmax(-1)
+        chosen_probability = token_probability(probabilities, prediction)
+        still = self._masked(first, first + count)
+        commit = commit_above_threshold(chosen_probability[None], still[None], self.plan.options.tau)[0]
+        return self._commit(positions - self.block[0], positions, commit, prediction, chosen_probability, logits)
+
+    def _commit(self, where: Tensor, positions: Tensor, commit: Tensor, prediction: Tensor,
+                chosen_probability: Tensor, logits: Tensor) -> Tensor:
+        """Write the chosen commits into the window; returns their block offsets. `where` and
+        `positions`: the block offsets and window positions of the rows of the other tensors."""
+        chosen = positions[commit]
+        self.window[chosen] = prediction[commit]
+        self.confidence[chosen] = chosen_probability[commit]
         if self.logprobs is not None:  # the same distribution as the confidence, at the step that unmasked it
-            kept = chosen_logprobs(logits[commit], prediction[commit], sampling.logprobs)
+            kept = chosen_logprobs(logits[commit], prediction[commit], self.plan.request.sampling.logprobs)
             for position, entry in zip(positions[commit].tolist(), kept, strict=True):
                 self.logprobs[position] = entry
         return where[commit]
@@ -293,9 +324,10 @@ class RowState:
         score order and drop any that the ones before it make impossible (it stays masked)."""
         template = self.plan.template
         window = self.window.tolist()
+        positions_, predictions, scores = positions.tolist(), prediction.tolist(), score.tolist()
         by_slot: dict[int, list[int]] = {}
         for k in commit.nonzero().flatten().tolist():
-            by_slot.setdefault(self.slot_of[int(positions[k])], []).append(k)
+            by_slot.setdefault(self.slot_of[positions_[k]], []).append(k)
         commit = commit.clone()
         for slot_index, chosen in by_slot.items():
             if len(chosen) < 2:
@@ -303,14 +335,28 @@ class RowState:
             slot = template.template.slots[slot_index]
             automaton = template.automata[slot_index]
             assigned = self._slot_assignment(slot_index, window)
-            chosen.sort(key=lambda k: -float(score[k]))
+            chosen.sort(key=lambda k: -scores[k])
+            if self._all_legal(automaton, assigned, [(positions_[k] - slot.start, predictions[k]) for k in chosen]):
+                continue
             for rank, k in enumerate(chosen):
-                offset, token = int(positions[k]) - slot.start, int(prediction[k])
+                offset, token = positions_[k] - slot.start, predictions[k]
                 if rank and not automaton.allowed(assigned, [offset])[offset][token]:
                     commit[k] = False
                     continue
                 assigned[offset] = token
         return commit
+
+    @staticmethod
+    def _all_legal(automaton: SlotAutomaton, assigned: list[int | None], picks: list[tuple[int, int]]) -> bool:
+        """Whether a slot stays completable with every (offset, token) of `picks` at once: then
+        each one is legal after the ones before it, and the one-by-one check would keep them
+        all (a completion of the whole set completes each part). One automaton query, not one
+        per pick."""
+        together = list(assigned)
+        for offset, token in picks[:-1]:
+            together[offset] = token
+        offset, token = picks[-1]
+        return bool(automaton.allowed(together, [offset])[offset][token])
 
     # --- after a step ---
 
@@ -324,12 +370,13 @@ class RowState:
         Early stop (free-form): once an end token is committed and every position before it
         is, the answer is final: nothing after it can change the output, so no more forwards.
         """
+        masked = self._masked(0, self.window_length)
         if self.plan.template is None:
             end = self.first_end()
-            if end is not None and not bool(self._masked(0, end).any()):
+            if end is not None and not bool(masked[:end].any()):
                 return self._finish("stop", now)
         lo, hi = self.block
-        if bool(self._masked(lo, hi).any()):
+        if bool(masked[lo:hi].any()):
             return None
         self.block_index += 1
         self.steps_in_block = 0
