@@ -13,6 +13,7 @@ from nowait.calibration import (
     ScoredAnswer,
     acceptance_curve,
     calibrated_threshold,
+    calibrated_thresholds,
     choose_threshold,
 )
 from nowait.checkpoints import save_pretrained
@@ -83,6 +84,11 @@ def test_calibrate_writes_a_threshold_the_gateway_uses(tmp_path, codec):
     written = tmp_path / "diffusion" / CALIBRATION_FILE
     assert report["written_to"] == str(written)
     assert calibrated_threshold(written.parent) == report["confidence_threshold"]
+    # A threshold per kind of the documents decoded, keyed for the router by its schema's hash too,
+    # and the confidence's discrimination per engine (None where every answer is alike).
+    assert report["per_kind"] and set(report["discrimination"]) == {"diffusion", "ar"}
+    by_schema, _ = calibrated_thresholds(written.parent)
+    assert by_schema == {entry["schema_hash"]: entry["confidence_threshold"] for entry in report["per_kind"].values()}
 
     engines = {"ar": {"kind": "ar", "model": models["ar"]},
                "diffusion": {"kind": "diffusion", "model": models["diffusion"]}}

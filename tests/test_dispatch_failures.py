@@ -30,7 +30,10 @@ def test_a_fast_engine_that_cannot_answer_hands_over_to_its_fallback(status, cod
     failed = outcome.attempts[0]
     assert (failed.finish_reason, failed.outcome, failed.text) == ("error", "simulated failure", "")
     assert outcome.fallback_cause == cause and outcome.cost_usd == 0.5
-    assert outcome.reason == f"{outcome.decision.reason}; simulated failure: re-ran on ar"
+    # Not re-run, but not silent either: below its floor (0.5 by default), the answer is flagged.
+    assert outcome.reason == (f"{outcome.decision.reason}; simulated failure: re-ran on ar; "
+                              "ar confidence 0.01 is below its floor 0.5: flagged")
+    assert outcome.flagged
     entry = audit.entries[0]
     assert entry["status"] == 200 and entry["route"] == "ar" and entry["fallback_cause"] == cause
     assert entry["engines_tried"][0]["outcome"] == "simulated failure"

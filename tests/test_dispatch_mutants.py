@@ -88,7 +88,7 @@ def test_an_answer_is_accounted_in_full(monkeypatch):
     assert entry == {
         "request_id": "req-7", "endpoint": "chat", "model": "ar", "tenant": "team-a", "key_id": "key-1",
         "status": 200, "error": None, "route": "ar", "decision": "ar", "rule": "pinned",
-        "reason": "the caller asked for ar", "fallback": False, "fallback_cause": None,
+        "reason": "the caller asked for ar", "fallback": False, "fallback_cause": None, "low_confidence": [],
         "metadata": {"latency_budget_ms": 250.0, "token_value_usd_per_mtok": 1.5, "data_class": "internal",
                      "batchable": False},
         "engines_tried": [{"engine": "ar", "outcome": "stop", "seconds": 0.123457, "compute_s": 0.045679,

@@ -9,6 +9,12 @@ are as accurate as the target (by default the AR model's own accuracy on the sam
 That serves as many requests as possible on the fast engine without lowering the quality the
 caller gets. `nowait calibrate` writes the result beside the model (calibration.json); the
 gateway uses it when its config sets no threshold.
+
+Kinds differ (a letter of credit's fields are harder than a KYC form's), so the file also holds
+a threshold per document kind and per JSON Schema (by `router.schema_hash`), chosen the same way
+on that kind's answers; the router takes the request's own (schema, then kind, then global). And
+how well the confidence tells wrong answers from right ones, per engine: the AUROC of the
+confidence against "has a wrong field" (`auroc`). A file written before these keys still loads.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from nowait.extraction.scorer import score_document
+from nowait.router import KindThreshold, schema_hash
 
 CALIBRATION_FILE = "calibration.json"
 
@@ -32,6 +39,12 @@ class ScoredAnswer:
     fields_correct: int
     fields_total: int
     fallback_fields_correct: int | None = None  # the AR answer to the same document, when measured
+    kind: str = ""
+    fallback_confidence: float | None = None  # the AR answer's confidence, when measured
+
+    @property
+    def wrong(self) -> bool:
+        return self.fields_correct < self.fields_total
 
 
 @dataclass(frozen=True)
@@ -92,16 +105,58 @@ def choose_threshold(answers: Sequence[ScoredAnswer], target_field_accuracy: flo
         routed_field_accuracy=routed)
 
 
+def auroc(confidences: Sequence[float], wrong: Sequence[bool]) -> float | None:
+    """How well a low confidence finds the answers with a wrong field: the probability that a
+    wrong answer's confidence is below a right one's (ties count half). 1.0: every wrong answer
+    is less sure than every right one; 0.5: no better than chance. None without both kinds."""
+    bad = [c for c, w in zip(confidences, wrong, strict=True) if w]
+    good = [c for c, w in zip(confidences, wrong, strict=True) if not w]
+    if not bad or not good:
+        return None
+    pairs = sum(1.0 if b < g else 0.5 if b == g else 0.0 for b in bad for g in good)
+    return pairs / (len(bad) * len(good))
+
+
 def score_answers(texts: Sequence[str], confidences: Sequence[float], docs: Sequence,
-                  fallback_texts: Sequence[str] | None = None) -> list[ScoredAnswer]:
+                  fallback_texts: Sequence[str] | None = None,
+                  fallback_confidences: Sequence[float] | None = None) -> list[ScoredAnswer]:
     """Score each fast answer (and the AR answer to the same document, if given)."""
     answers = []
     for i, (text, confidence, doc) in enumerate(zip(texts, confidences, docs, strict=True)):
         score = score_document(text, doc.fields, doc.kind)
         fallback = (score_document(fallback_texts[i], doc.fields, doc.kind).fields_correct
                     if fallback_texts is not None else None)
-        answers.append(ScoredAnswer(confidence, score.fields_correct, score.fields_total, fallback))
+        answers.append(ScoredAnswer(confidence, score.fields_correct, score.fields_total, fallback, doc.kind,
+                                    fallback_confidences[i] if fallback_confidences is not None else None))
     return answers
+
+
+def per_kind_thresholds(answers: Sequence[ScoredAnswer], target_field_accuracy: float | None) -> dict[str, dict]:
+    """Each kind's threshold, chosen on that kind's answers alone (the target: the given one,
+    else AR's accuracy on that kind), with the kind's schema hash and fields for the router."""
+    from nowait.extraction.corpus import schema_for
+
+    kinds: dict[str, dict] = {}
+    for kind in sorted({a.kind for a in answers if a.kind}):
+        mine = [a for a in answers if a.kind == kind]
+        target = target_field_accuracy
+        if target is None:
+            target = _accuracy(sum(a.fallback_fields_correct or 0 for a in mine), sum(a.fields_total for a in mine))
+        choice = choose_threshold(mine, target)
+        schema = schema_for(kind)
+        kinds[kind] = {"confidence_threshold": choice.threshold, "reached": choice.reached, "n": len(mine),
+                       "target_field_accuracy": target, "acceptance_rate": choice.acceptance_rate,
+                       "schema_hash": schema_hash(schema), "fields": sorted(schema["properties"])}
+    return kinds
+
+
+def discrimination(answers: Sequence[ScoredAnswer]) -> dict[str, float | None]:
+    """The AUROC of each engine's confidence against "has a wrong field" (AR's when measured)."""
+    out = {"diffusion": auroc([a.confidence for a in answers], [a.wrong for a in answers])}
+    if all(a.fallback_confidence is not None and a.fallback_fields_correct is not None for a in answers):
+        out["ar"] = auroc([a.fallback_confidence for a in answers],  # type: ignore[misc]
+                          [a.fallback_fields_correct < a.fields_total for a in answers])  # type: ignore[operator]
+    return out
 
 
 def calibrate(diffusion_model, ar_model, codec, n: int = 200, split: str = "validation", structured: bool = True,
@@ -109,21 +164,24 @@ def calibrate(diffusion_model, ar_model, codec, n: int = 200, split: str = "vali
               on_batch: Callable[[int], None] | None = None) -> dict:
     """Decode n held-out documents with the diffusion engine's defaults (and greedy AR, the
     fallback) and choose the threshold. The target defaults to AR's field accuracy on them."""
-    from nowait.evaluation import decode_documents, decode_records
+    from nowait.evaluation import decode_records
     from nowait.extraction.corpus import documents
 
     docs = documents(split, n)
     diffusion_model.eval()
     records = decode_records(diffusion_model, codec, "diffusion", docs, batch_size, structured=structured,
                              on_batch=on_batch)
-    fallback_texts = None
+    fallback_texts = fallback_confidences = None
     if ar_model is not None:
         ar_model.eval()
-        fallback_texts = decode_documents(ar_model, codec, docs)
-    answers = score_answers([r.text for r in records], [r.confidence for r in records], docs, fallback_texts)
+        fallback = ar_completions(ar_model, codec, docs)
+        fallback_texts, fallback_confidences = [c.text for c in fallback], [c.confidence for c in fallback]
+    answers = score_answers([r.text for r in records], [r.confidence for r in records], docs, fallback_texts,
+                            fallback_confidences)
     ar_accuracy = None
     if fallback_texts is not None:
         ar_accuracy = _accuracy(sum(a.fallback_fields_correct for a in answers), sum(a.fields_total for a in answers))
+    explicit_target = target_field_accuracy is not None
     if target_field_accuracy is None:
         if ar_accuracy is None:
             raise ValueError("give a target field accuracy, or an AR model to take it from")
@@ -133,8 +191,20 @@ def calibrate(diffusion_model, ar_model, codec, n: int = 200, split: str = "vali
     return {"confidence_threshold": choice.threshold, **{k: v for k, v in asdict(choice).items() if k != "threshold"},
             "ar_field_accuracy": ar_accuracy, "n": n, "split": split, "structured": structured,
             "confidence_kind": "min_token_probability",
+            "per_kind": per_kind_thresholds(answers, target_field_accuracy if explicit_target else None),
+            "discrimination": discrimination(answers),
             "curve": [{"threshold": round(t, 6), "acceptance_rate": round(a, 4), "accepted_field_accuracy": round(f, 4)}
                       for t, a, f in _thin(curve)]}
+
+
+def ar_completions(ar_model, codec, docs: Sequence) -> list:
+    """Greedy AR answers through the AR engine (its confidence is the one serving reports)."""
+    from nowait.engines.config import ArEngineConfig
+    from nowait.engines.factory import EngineModel, engine_from
+    from nowait.evaluation import decode_documents_with
+
+    engine = engine_from(ArEngineConfig(kind="ar"), EngineModel(ar_model, codec))
+    return decode_documents_with(engine, list(docs), codec)
 
 
 def _thin(curve: list[tuple[float, float, float]], points: int = 20) -> list[tuple[float, float, float]]:
@@ -161,3 +231,28 @@ def calibrated_threshold(model_dir: Path) -> float | None:
     except (ValueError, KeyError, TypeError):
         return None
     return float(value) if isinstance(value, int | float) and 0 <= value <= 1 else None
+
+
+def _threshold(value: object) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0 else None
+
+
+def calibrated_thresholds(model_dir: Path) -> tuple[dict[str, float], dict[str, KindThreshold]]:
+    """The per-schema (hash -> threshold) and per-kind thresholds of a calibration file; both
+    empty for a file written before them, or none. A malformed entry is skipped, not fatal."""
+    path = Path(model_dir) / CALIBRATION_FILE
+    try:
+        kinds = json.loads(path.read_text()).get("per_kind") or {}
+    except (OSError, ValueError, AttributeError):
+        return {}, {}
+    by_schema: dict[str, float] = {}
+    by_kind: dict[str, KindThreshold] = {}
+    for kind, entry in kinds.items() if isinstance(kinds, dict) else ():
+        threshold = _threshold(entry.get("confidence_threshold")) if isinstance(entry, dict) else None
+        if threshold is None:
+            continue
+        if isinstance(entry.get("schema_hash"), str):
+            by_schema[entry["schema_hash"]] = threshold
+        if isinstance(entry.get("fields"), list) and all(isinstance(f, str) for f in entry["fields"]):
+            by_kind[kind] = KindThreshold(threshold=threshold, fields=tuple(entry["fields"]))
+    return by_schema, by_kind

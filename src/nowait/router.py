@@ -17,8 +17,11 @@ from its inputs, and `Decision.reason` is the sentence that goes to the audit lo
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from enum import Enum
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -50,6 +53,27 @@ class RemoteEngine(BaseModel):
 
 # Used when neither the config nor a calibration file (`nowait calibrate`) gives a threshold.
 DEFAULT_CONFIDENCE_THRESHOLD = 0.9
+# An answer (of any engine) whose confidence is below its engine's floor is not handed back as an
+# ordinary one (`routing.low_confidence`). Far below the fallback threshold: the floor catches
+# answers no engine was sure of (docs/gateway.md, "Low-confidence answers").
+DEFAULT_CONFIDENCE_FLOOR = 0.5
+LowConfidenceMode = Literal["flag", "frontier", "reject"]
+
+
+def schema_hash(schema: dict) -> str:
+    """The key of a JSON Schema's own calibrated threshold: SHA-256 of its canonical JSON (keys
+    sorted, no spaces), so the same schema sent with other key order or spacing finds it."""
+    canonical = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+class KindThreshold(BaseModel):
+    """A document kind's calibrated threshold, found by its schema's property names."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    threshold: float = Field(ge=0)
+    fields: tuple[str, ...]
 
 
 class RoutingPolicy(BaseModel):
@@ -69,6 +93,12 @@ class RoutingPolicy(BaseModel):
     fallback_engine: str = "ar"
     owned_frontier_engine: str = "ar"
     remote_frontier_engines: tuple[RemoteEngine, ...] = ()  # in order of preference
+    # Calibrated thresholds finer than the global one (`nowait calibrate`): by schema hash, by kind.
+    schema_thresholds: dict[str, float] = Field(default_factory=dict)
+    kind_thresholds: dict[str, KindThreshold] = Field(default_factory=dict)
+    confidence_floors: dict[str, float] = Field(default_factory=dict, description="engine -> floor (absent: "
+                                                f"{DEFAULT_CONFIDENCE_FLOOR:g})")
+    low_confidence: LowConfidenceMode = "flag"
 
     @model_validator(mode="after")
     def _engines_exist(self) -> RoutingPolicy:
@@ -145,10 +175,48 @@ def route(request: RouteRequest, policy: RoutingPolicy) -> Decision:
                     f"{policy.fallback_engine}", fallback_engine=policy.fallback_engine, rule="fast")
 
 
-def should_fall_back(confidence: float, policy: RoutingPolicy) -> bool:
-    """A diffusion answer below the threshold is re-run on the fallback engine (both runs are paid
-    for). A NaN confidence (a half-precision model's overflow) is not at or above it: re-run."""
-    return not confidence >= policy.confidence_threshold
+def threshold_for(schema: dict | None, policy: RoutingPolicy) -> tuple[float, str]:
+    """The fallback threshold of a request and where it came from: its schema's own (by hash),
+    else its document kind's (the kind whose fields the schema's properties are), else the global one."""
+    if schema is not None:
+        found = policy.schema_thresholds.get(schema_hash(schema))
+        if found is not None:
+            return found, "schema"
+        properties = schema.get("properties")
+        names = sorted(properties) if isinstance(properties, dict) else None
+        for kind, entry in policy.kind_thresholds.items():
+            if names is not None and sorted(entry.fields) == names:
+                return entry.threshold, f"kind {kind}"
+    return policy.confidence_threshold, "global"
+
+
+def should_fall_back(confidence: float, policy: RoutingPolicy, schema: dict | None = None) -> bool:
+    """A diffusion answer below the request's threshold (`threshold_for`) is re-run on the
+    fallback engine (both runs are paid for). A NaN confidence (a half-precision model's
+    overflow) is not at or above it: re-run."""
+    return not confidence >= threshold_for(schema, policy)[0]
+
+
+def confidence_floor(engine: str, policy: RoutingPolicy) -> float:
+    return policy.confidence_floors.get(engine, DEFAULT_CONFIDENCE_FLOOR)
+
+
+def below_floor(engine: str, confidence: float | None, policy: RoutingPolicy) -> bool:
+    """An answer below its engine's floor; one without a confidence (a remote upstream without
+    logprobs) has nothing to compare, and a NaN one is below."""
+    return confidence is not None and not confidence >= confidence_floor(engine, policy)
+
+
+def low_confidence_rerun(data_class: DataClass, tried: set[str], policy: RoutingPolicy) -> str | None:
+    """Where `routing.low_confidence: frontier` re-runs a low-confidence answer: the frontier
+    engine `route` would give high-value work of this data class (a remote one only if it may
+    receive it; restricted data never leaves), unless it already answered. None: flag instead."""
+    if policy.low_confidence != "frontier":
+        return None
+    data_class = DataClass(data_class)
+    remote = next((r.name for r in policy.remote_frontier_engines if r.may_receive(data_class)), None)
+    engine = remote or policy.owned_frontier_engine
+    return None if engine in tried else engine
 
 
 def check_destination(engine: str, data_class: DataClass, policy: RoutingPolicy) -> None:

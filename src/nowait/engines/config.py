@@ -60,6 +60,9 @@ class OwnedEngineConfig(Strict):
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"  # auto: the checkpoint's own
     device: str = "cpu"
     max_queue: int = Field(64, ge=0, description="requests allowed to wait beyond those running; more get 429")
+    confidence_floor: float | None = Field(None, ge=0, le=1, description="an answer less sure than this is "
+                                           "low-confidence: `routing.low_confidence` decides (default: "
+                                           "the router's DEFAULT_CONFIDENCE_FLOOR)")
     fleet: FleetEngineConfig | None = Field(None, description="replicas and resources on a Ray Serve fleet")
 
 
@@ -159,6 +162,9 @@ class RemoteEngineConfig(Strict):
     output_usd_per_mtok: float = Field(ge=0)
     timeout_s: float = Field(60.0, gt=0)
     max_concurrency: int = Field(64, ge=1, description="requests in flight upstream; more get 429")
+    confidence_floor: float | None = Field(None, ge=0, le=1, description="an answer less sure than this is "
+                                           "low-confidence: `routing.low_confidence` decides (default: "
+                                           "the router's DEFAULT_CONFIDENCE_FLOOR)")
 
     @field_validator("base_url")
     @classmethod

@@ -17,7 +17,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from nowait import paths
-from nowait.calibration import CALIBRATION_FILE, calibrated_threshold
+from nowait.calibration import CALIBRATION_FILE, calibrated_threshold, calibrated_thresholds
 
 # The engine models are the engine factory's input (engines/config.py); this file holds a mapping of them.
 from nowait.engines.config import (
@@ -29,7 +29,7 @@ from nowait.engines.config import (
     SpecEngineConfig,
     Strict,
 )
-from nowait.router import DEFAULT_CONFIDENCE_THRESHOLD, DataClass, RemoteEngine, RoutingPolicy
+from nowait.router import DEFAULT_CONFIDENCE_THRESHOLD, DataClass, LowConfidenceMode, RemoteEngine, RoutingPolicy
 from nowait.store.url import StoreError, StoreURL, parse_store_url
 
 
@@ -50,6 +50,10 @@ class RoutingConfig(Strict):
     owned_frontier_engine: str = "ar"
     frontier_remotes: list[str] | None = Field(
         None, description="external upstreams high-value work may go to, in order (default: all of them)")
+    low_confidence: LowConfidenceMode = Field(
+        "flag", description="an answer below its engine's confidence_floor: flag it (nowait.low_confidence and "
+                            "x-nowait-low-confidence), re-run it on the frontier engine its data class may reach "
+                            "(frontier), or answer 422 low_confidence (reject)")
 
 
 class RequestDefaults(Strict):
@@ -211,12 +215,24 @@ class GatewayConfig(Strict):
                 return calibrated, str(model_dir / CALIBRATION_FILE)
         return DEFAULT_CONFIDENCE_THRESHOLD, "default"
 
+    def calibrated_thresholds(self) -> tuple[dict, dict]:
+        """Per-schema and per-kind thresholds from the fast engine's calibration file; none when
+        the config sets routing.confidence_threshold (the operator's number holds for every request)."""
+        fast = self.engines.get(self.routing.fast_engine) if self.routing.fast_engine else None
+        if self.routing.confidence_threshold is not None or not isinstance(fast, OwnedEngineConfig):
+            return {}, {}
+        return calibrated_thresholds(paths.model_dir(fast.model))
+
     def routing_policy(self) -> RoutingPolicy:
         r = self.routing
         remotes = self.remote_engines()
         frontier = r.frontier_remotes if r.frontier_remotes is not None else list(remotes)
+        by_schema, by_kind = self.calibrated_thresholds()
+        floors = {n: e.confidence_floor for n, e in self.engines.items() if e.confidence_floor is not None}
         return RoutingPolicy(high_value_usd_per_mtok=r.high_value_usd_per_mtok,
                              confidence_threshold=self.confidence_threshold()[0],
+                             schema_thresholds=by_schema, kind_thresholds=by_kind, confidence_floors=floors,
+                             low_confidence=r.low_confidence,
                              batchable_budget_ms=r.batchable_budget_ms,
                              owned_engines=tuple(self.owned_engine_names()), batch_engine=r.batch_engine,
                              fast_engine=r.fast_engine, fallback_engine=r.fallback_engine,

@@ -6,11 +6,15 @@
     run it; a failing remote upstream fails over to the owned frontier engine
     a fast-engine (diffusion) answer below the confidence threshold, or not valid for the requested
         schema, re-runs on the fallback engine (AR); both runs are paid for
+    an answer below its engine's confidence floor is flagged, re-run on the frontier engine, or
+        refused (422), as `routing.low_confidence` says (low_confidence.py)
     every request, answered or not, goes to the audit log and the metrics, with its tenant and key id
 
 Streams: a stream routed to the fast engine is held until its confidence is known (diffusion
 answers in a few parallel passes, and a stream cannot take back text it already sent), then sent;
 every other stream is relayed as the engine produces it, and its route header is known up front.
+A relayed stream's confidence is known only after its text is sent, so below the floor it can
+only be flagged, in its final chunk (`nowait.low_confidence`), whatever `routing.low_confidence`.
 """
 
 from __future__ import annotations
@@ -24,11 +28,23 @@ from nowait.gateway.audit.log import AuditLog
 from nowait.gateway.domain import Attempt, AttemptStream, Backend, Call
 from nowait.gateway.errors import APIError, engine_unavailable, forbidden_destination, unknown_model
 from nowait.gateway.logprobs import TextWithLogprobs
+from nowait.gateway.low_confidence import LowConfidence, LowConfidenceError
 from nowait.gateway.metrics import GatewayMetrics
 from nowait.gateway.prompts import conforms
 from nowait.gateway.remote import UpstreamFailure
 from nowait.gateway.workers import LOGPROBS_UNSUPPORTED, SCHEMA_UNSUPPORTED
-from nowait.router import DataClass, Decision, RoutingPolicy, failover, pin, route, should_fall_back
+from nowait.router import (
+    DataClass,
+    Decision,
+    RoutingPolicy,
+    below_floor,
+    confidence_floor,
+    failover,
+    low_confidence_rerun,
+    pin,
+    route,
+    threshold_for,
+)
 
 
 @dataclass
@@ -41,6 +57,12 @@ class Outcome:
     reason: str = ""
     # confidence | confidence_unknown | invalid_output | upstream_failure | schema_unsupported | engine_failure
     fallback_cause: str | None = None
+    low_confidence: list[LowConfidence] = field(default_factory=list)  # answers below their engine's floor
+
+    @property
+    def flagged(self) -> bool:
+        """The answer returned is below its engine's floor (`nowait.low_confidence`)."""
+        return bool(self.low_confidence) and self.low_confidence[-1].action == "flag"
 
     @property
     def fallback(self) -> bool:
@@ -102,6 +124,7 @@ class Dispatcher:
         outcome = Outcome(call, decision, reason=decision.reason)
         try:
             await self._run_with_fallbacks(outcome)
+            await self._check_floor(outcome)
         except APIError as error:
             self._account(outcome, started, error=error)
             raise
@@ -170,12 +193,57 @@ class Dispatcher:
         if attempt.confidence is None:  # an answer of unknown confidence does not pass as a confident one
             return "confidence_unknown", (f"{attempt.engine} gave no confidence "
                                           f"({attempt.confidence_missing or 'none reported'})")
-        if should_fall_back(attempt.confidence, self.policy):
-            return "confidence", (f"{attempt.engine} confidence {attempt.confidence:.3g} is below "
-                                  f"{self.policy.confidence_threshold:g}")
+        threshold, source = threshold_for(call.schema, self.policy)
+        if not attempt.confidence >= threshold:  # NaN (a half-precision overflow) is not at or above it
+            where = "" if source == "global" else f" (the {source}'s threshold)"
+            return "confidence", f"{attempt.engine} confidence {attempt.confidence:.3g} is below {threshold:g}{where}"
         if call.json_mode and not conforms(attempt.text, call.schema):
             return "invalid_output", f"{attempt.engine} output is not JSON valid for the requested format"
         return None
+
+    def _low(self, outcome: Outcome, action: str, why: str = "", then: str = "flagged") -> LowConfidence:
+        """Record the final answer as below its floor, handled by `action` (`then` says how)."""
+        final = outcome.final
+        low = LowConfidence(final.engine, final.confidence, confidence_floor(final.engine, self.policy), action)
+        outcome.low_confidence.append(low)
+        outcome.reason += (f"; {final.engine} confidence {final.confidence:.3g} is below its floor {low.floor:g}"
+                           f"{why}: {then}")
+        self.metrics.low_confidence.labels(final.engine, action).inc()
+        return low
+
+    async def _check_floor(self, outcome: Outcome) -> None:
+        """No silent garbage: an answer below its engine's floor is flagged, re-run once on the
+        frontier engine its data class may reach (the re-run's own answer is then kept, flagged
+        if it too is below its floor), or refused with a 422, as `routing.low_confidence` says."""
+        final = outcome.final
+        if not below_floor(final.engine, final.confidence, self.policy):
+            return
+        if self.policy.low_confidence == "reject":
+            raise LowConfidenceError(self._low(outcome, "reject", then="refused"), outcome.attempts)
+        why = ""
+        if self.policy.low_confidence == "frontier":
+            call = outcome.call
+            target = low_confidence_rerun(call.meta.data_class, {a.engine for a in outcome.attempts}, self.policy)
+            if target is None:
+                why = (f" and no other frontier engine may receive {DataClass(call.meta.data_class).value} data")
+            else:
+                try:
+                    attempt = await self._run(target, call)
+                except APIError as error:  # the answer in hand is still better than none: flag it
+                    why = f" and frontier engine {target} failed ({error.message})"
+                else:
+                    self._low(outcome, "frontier", then=f"re-ran on {target}")
+                    outcome.attempts.append(attempt)
+                    if below_floor(attempt.engine, attempt.confidence, self.policy):
+                        self._low(outcome, "flag")
+                    return
+        self._low(outcome, "flag", why)
+
+    def flag_streamed(self, outcome: Outcome) -> None:
+        """A relayed stream's answer, already sent: below its floor, a flag is all that is left."""
+        final = outcome.final
+        if below_floor(final.engine, final.confidence, self.policy):
+            self._low(outcome, "flag", " (already streamed)")
 
     async def _run(self, engine: str, call: Call) -> Attempt:
         attempt = await self.backend(engine, call).run(call, self.timeout_s)
@@ -192,6 +260,7 @@ class Dispatcher:
         if decision.fallback_engine is not None:  # held: see the module docstring
             try:
                 await self._run_with_fallbacks(outcome)
+                await self._check_floor(outcome)
             except APIError as error:
                 self._account(outcome, started, error=error)
                 raise
@@ -246,6 +315,7 @@ class Dispatcher:
             "error": None if answered else (error.message if error else "no answer"),
             "route": outcome.final.engine if answered else None, "decision": decision.engine, "rule": decision.rule,
             "reason": outcome.reason, "fallback": outcome.fallback, "fallback_cause": outcome.fallback_cause,
+            "low_confidence": [low.record() for low in outcome.low_confidence],
             "metadata": {"latency_budget_ms": call.meta.latency_budget_ms,
                          "token_value_usd_per_mtok": call.meta.token_value_usd_per_mtok,
                          "data_class": DataClass(call.meta.data_class).value, "batchable": call.meta.batchable},
@@ -295,6 +365,7 @@ class StreamPlan:
         if attempt is not None:
             self.dispatcher.metrics.observe_attempt(attempt)
             self.outcome.attempts.append(attempt)
+            self.dispatcher.flag_streamed(self.outcome)
             self.dispatcher._account(self.outcome, self.started)
 
     async def aclose(self) -> None:

@@ -18,6 +18,7 @@ from fastapi import Request
 from nowait.gateway.dispatch import Outcome
 from nowait.gateway.domain import Call
 from nowait.gateway.errors import APIError
+from nowait.gateway.low_confidence import LOW_CONFIDENCE_HEADER
 from nowait.gateway.responses import ROUTE_HEADER
 from nowait.gateway.service import Gateway, gateway_of
 from nowait.gateway.stream_slots import SlotStreamingResponse, StreamSlots
@@ -100,7 +101,8 @@ async def event_stream(request: Request, gateway: Gateway, call: Call, encoder: 
         for event in encoder.end():
             yield event
 
+    headers = {ROUTE_HEADER: plan.route, "cache-control": "no-cache", "x-request-id": response_id}
+    if plan.outcome.flagged:  # a held stream, answered before its first byte (a relayed one: its final chunk)
+        headers[LOW_CONFIDENCE_HEADER] = "true"
     return SlotStreamingResponse(events(), release=release, media_type="text/event-stream",
-                                 stall_timeout_s=gateway.config.server.stream_stall_timeout_s,
-                                 headers={ROUTE_HEADER: plan.route, "cache-control": "no-cache",
-                                          "x-request-id": response_id})
+                                 stall_timeout_s=gateway.config.server.stream_stall_timeout_s, headers=headers)

@@ -63,6 +63,9 @@ class GatewayMetrics:
                               ["rule", "engine"], registry=r)
         self.fallbacks = Counter("nowait:fallbacks", "Requests re-run on another engine", ["engine", "to", "cause"],
                                  registry=r)
+        self.low_confidence = Counter("nowait:low_confidence", "Answers below their engine's confidence floor, by "
+                                      "that engine and what routing.low_confidence did (flag, frontier, reject)",
+                                      ["engine", "action"], registry=r)
         self.errors = Counter("nowait:request_errors", "Requests answered with an error", ["status", "code"],
                               registry=r)
         self.cost = Counter("nowait:cost_usd", "Dollars spent, per engine", engine, registry=r)

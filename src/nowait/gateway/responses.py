@@ -12,6 +12,7 @@ import json
 from nowait.gateway.dispatch import Outcome
 from nowait.gateway.errors import APIError
 from nowait.gateway.logprobs import LogprobEntry, chat_logprobs, completion_logprobs, delta_logprobs
+from nowait.gateway.low_confidence import LOW_CONFIDENCE_HEADER
 from nowait.gateway.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -30,6 +31,14 @@ from nowait.gateway.schemas import (
 ROUTE_HEADER = "x-nowait-route"
 
 
+def answer_headers(outcomes: list[Outcome], request_id: str) -> dict[str, str]:
+    """The route, the request id and, when any choice is below its engine's floor, the flag."""
+    headers = {ROUTE_HEADER: outcomes[0].final.engine, "x-request-id": request_id}
+    if any(o.flagged for o in outcomes):
+        headers[LOW_CONFIDENCE_HEADER] = "true"
+    return headers
+
+
 def finish_reason(outcome: Outcome) -> str:
     reason = outcome.final.finish_reason
     return reason if reason in ("stop", "length") else "stop"
@@ -41,6 +50,7 @@ def nowait_info(outcomes: list[Outcome]) -> NowaitInfo:
     return NowaitInfo(
         route=first.final.engine, reason=first.reason, rule=first.decision.rule, fallback=first.fallback,
         confidence=first.final.confidence, cost_usd=sum(o.cost_usd for o in outcomes),
+        low_confidence=any(o.flagged for o in outcomes),
         engines_tried=[EngineAttempt(engine=a.engine, seconds=round(a.seconds, 6), prompt_tokens=a.prompt_tokens,
                                      completion_tokens=a.completion_tokens, confidence=a.confidence,
                                      cost_usd=a.cost_usd, outcome=a.outcome, forwards=a.forwards)

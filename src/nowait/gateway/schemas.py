@@ -148,6 +148,8 @@ class NowaitInfo(OpenAIObject):
     confidence: float | None
     cost_usd: float
     engines_tried: list[EngineAttempt]
+    # True: the answer's confidence is below its engine's floor (routing.low_confidence: flag)
+    low_confidence: bool = False
 
 
 def now() -> int:

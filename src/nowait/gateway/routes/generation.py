@@ -13,7 +13,7 @@ from nowait.gateway.calls import chat_calls, completion_calls, new_id, prompts_o
 from nowait.gateway.dispatch import Outcome
 from nowait.gateway.domain import Call
 from nowait.gateway.event_streams import event_stream, unless_disconnected
-from nowait.gateway.responses import ROUTE_HEADER, ChunkWriter, chat_completion, text_completion
+from nowait.gateway.responses import ChunkWriter, answer_headers, chat_completion, text_completion
 from nowait.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from nowait.gateway.service import gateway_of
 
@@ -29,8 +29,7 @@ async def answer(request: Request, body: ChatCompletionRequest | CompletionReque
         writer = ChunkWriter(endpoint, response_id, body.model, include)
         return await event_stream(request, gateway, calls[0], writer, response_id)
     outcomes = await unless_disconnected(request, gateway.complete_all(calls))
-    return JSONResponse(build(outcomes).model_dump(), headers={ROUTE_HEADER: outcomes[0].final.engine,
-                                                               "x-request-id": response_id})
+    return JSONResponse(build(outcomes).model_dump(), headers=answer_headers(outcomes, response_id))
 
 
 @router.post("/v1/chat/completions")

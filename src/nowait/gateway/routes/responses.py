@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from nowait.gateway.calls import chat_calls
 from nowait.gateway.errors import APIError
 from nowait.gateway.event_streams import event_stream, unless_disconnected
-from nowait.gateway.responses import ROUTE_HEADER
+from nowait.gateway.responses import answer_headers
 from nowait.gateway.responses_api import (
     ResponseBuilder,
     ResponseEvents,
@@ -39,5 +39,4 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         outcome = await unless_disconnected(request, gateway.dispatcher.complete(call))
     except APIError as error:
         raise renamed(error) from None
-    return JSONResponse(builder.answered(outcome), headers={ROUTE_HEADER: outcome.final.engine,
-                                                            "x-request-id": response_id})
+    return JSONResponse(builder.answered(outcome), headers=answer_headers([outcome], response_id))
