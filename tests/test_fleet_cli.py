@@ -60,7 +60,11 @@ def test_fleet_up_status_down(tmp_path, codec):
     assert not (tmp_path / "state.json").exists()
 
 
-def test_fleet_up_refuses_a_missing_checkpoint_in_one_line_before_ray_starts(tmp_path, codec):
+def test_fleet_up_refuses_a_missing_checkpoint_in_one_line_before_ray_starts(tmp_path, codec, monkeypatch):
+    from typer.testing import CliRunner
+
+    from nowait.cli import app
+
     models = save_tiny_models(tmp_path / "models", codec)
     (tmp_path / "no-weights").mkdir()
     for name in ("config.json", "tokenizer.json"):  # all but the weights
@@ -69,10 +73,14 @@ def test_fleet_up_refuses_a_missing_checkpoint_in_one_line_before_ray_starts(tmp
                           "spec": {"kind": "spec", "model": models["ar"], "draft": str(tmp_path / "no-weights")}},
               "routing": {"fast_engine": None}, "data_dir": str(tmp_path / "data")}
     (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(config))
-    env = {**os.environ, "NOWAIT_FLEET_STATE": str(tmp_path / "state.json"), "RAY_USAGE_STATS_ENABLED": "0"}
-    up = nowait("fleet", "up", str(tmp_path / "fleet.yaml"), env=env)
-    assert up.returncode == 2
-    [line] = up.stderr.strip().splitlines()  # one line, naming each engine's bad checkpoint
+    monkeypatch.setenv("NOWAIT_FLEET_STATE", str(tmp_path / "state.json"))
+    def no_ray(*args):  # the local cluster's start must not be reached
+        raise AssertionError("a Ray cluster would start")
+
+    monkeypatch.setattr("nowait.fleet.cluster.start_local_cluster", no_ray)
+    up = CliRunner().invoke(app, ["fleet", "up", str(tmp_path / "fleet.yaml")])
+    assert up.exit_code == 2, up.output
+    [line] = up.output.strip().splitlines()  # one line, naming each engine's bad checkpoint
     assert "engine 'ar' model:" in line and "absent: no such checkpoint directory" in line
     assert "engine 'spec' draft:" in line and "missing model.safetensors" in line
     assert not (tmp_path / "state.json").exists()  # no fleet was started
