@@ -109,3 +109,17 @@ def test_the_gateway_reads_them_from_the_fast_engines_calibration(tmp_path):
     # The operator's own number holds for every request: no calibrated refinement under it.
     fixed = parse_config({"engines": engines, "routing": {"confidence_threshold": 0.42}}).routing_policy()
     assert threshold_for(schema_for("kyc"), fixed) == (0.42, "global")
+
+
+def test_calibrate_prints_the_kinds_and_the_auroc(tmp_path, codec):
+    from typer.testing import CliRunner
+
+    from nowait.cli import app
+    from tests.test_calibration import save_tiny_models
+
+    models = save_tiny_models(tmp_path, codec)
+    result = CliRunner().invoke(app, ["calibrate", "--model", models["diffusion"], "--ar-model", models["ar"],
+                                      "--n", "3", "--batch-size", "3", "--target", "0.5", "--no-write"])
+    assert result.exit_code == 0, result.output
+    assert "per kind (and its schema): kyc " in result.output and "AUROC of confidence against a wrong field: " \
+                                                                  "diffusion " in result.output

@@ -359,6 +359,11 @@ def calibrate(
     else:
         console.print(f"no threshold reaches field accuracy {result['target_field_accuracy']:.3f}: every answer "
                       f"falls back (threshold {result['confidence_threshold']:.4g})", highlight=False)
+    kinds = ", ".join(f"{kind} {entry['confidence_threshold']:.4g}" for kind, entry in result["per_kind"].items())
+    aurocs = ", ".join(f"{engine} {'n/a' if value is None else f'{value:.3f}'}"
+                       for engine, value in result["discrimination"].items())
+    console.print(f"per kind (and its schema): {kinds}; AUROC of confidence against a wrong field: {aurocs}",
+                  highlight=False)
     if write:
         console.print(f"written to {result['written_to']}; `nowait serve` uses it when routing.confidence_threshold "
                       "is not set", highlight=False)
