@@ -79,29 +79,51 @@ def _print_check(check) -> None:
                   f"for every engine checked", highlight=False)
 
 
-def _run_check(loaded, measured, scenario: Path, profile: Path | None, load: Path, as_json: bool) -> None:
-    """--check: the planner's batch-1 latency per engine against a load test; exit 1 past the tolerance."""
+def _print_throughput(rows, notes) -> None:
+    table = Table(title="output tokens/s: the planner beside the load test's concurrent runs")
+    for column in ("target", "engine", "streams", "replicas", "batch/replica", "predicted", "measured", "error"):
+        table.add_column(column, justify="left" if column in ("target", "engine") else "right")
+    for r in rows:
+        table.add_row(r.target, r.engine, str(r.streams), str(r.replicas), str(r.batch),
+                      f"{r.predicted_tokens_per_s:.1f}", f"{r.measured_tokens_per_s:.1f}", f"{r.relative_error:+.0%}")
+    console.print(table)
+    for note in notes:
+        console.print(f"note: {note}", highlight=False)
+
+
+def _run_check(loaded, measured, scenario: Path, profile: Path | None, load: Path, as_json: bool,
+               replicas: int = 1) -> None:
+    """--check: the planner's batch-1 latency per engine against a load test (exit 1 past the
+    tolerance), and its tokens/s beside each concurrent run (not judged: docs/fleet.md)."""
     from nowait.planner.calibration import CalibrationError, check_latency, load_measurements, measured_runs, to_json
     from nowait.planner.fleets import build_fleets
     from nowait.planner.profile import fit_profile
+    from nowait.planner.throughput import check_throughput
+    from nowait.planner.throughput import to_json as throughput_json
 
     try:
-        runs, notes = measured_runs(load_measurements(load))
+        data = load_measurements(load)
+        runs, notes = measured_runs(data)
     except CalibrationError as error:
         _fail(str(error))
-    if not runs:
-        _fail(f"{load}: no synchronous run of an AR or diffusion engine to check against (bench load --profile "
-              "synchronous, or sweep, with --engine ar,diffusion or --model ar,diffusion)"
-              + "".join(f"\n{note}" for note in notes))
     fitted = fit_profile(measured) if measured is not None else {}
     fleets = build_fleets(loaded, fitted, measured)
+    rows, throughput_notes = check_throughput(fleets, data, replicas)
+    if not runs and not rows:
+        _fail(f"{load}: no synchronous run of an AR or diffusion engine to check against (bench load --profile "
+              "synchronous, or sweep, with --engine ar,diffusion or --model ar,diffusion), nor a concurrent one"
+              + "".join(f"\n{note}" for note in notes + throughput_notes))
     check = check_latency({name: fleet.make(1) for name, fleet in fleets.items()}, runs, set(fitted))
     check.notes[:0] = notes
     if as_json:
-        print(json.dumps(to_json(check, str(scenario), str(profile) if profile else None, str(load))))
+        print(json.dumps({**to_json(check, str(scenario), str(profile) if profile else None, str(load)),
+                          "throughput": throughput_json(rows)}))
     else:
-        _print_check(check)
-    if not check.passed:
+        if runs:
+            _print_check(check)
+        if rows or throughput_notes:
+            _print_throughput(rows, throughput_notes)
+    if runs and not check.passed:
         raise typer.Exit(code=1)
 
 
@@ -121,6 +143,8 @@ def register(app: typer.Typer) -> None:
                                                          "predicted batch-1 latency with its synchronous run"),
         fleet_out: Path = typer.Option(None, "--fleet-out", help="write the engines' fleet sections (replicas, GPUs, "
                                                                  "target ongoing requests) for `nowait fleet up`"),
+        replicas: int = typer.Option(1, "--replicas", min=1, help="with --check: the replicas behind the load "
+                                                                  "test's target (a fleet's), for its tokens/s"),
     ) -> None:
         """Plan the fleet: per workload the route, and per engine nodes, p99, utilization and cost per Mtok."""
         from nowait.planner.hardware import measure_host as measure
@@ -155,7 +179,7 @@ def register(app: typer.Typer) -> None:
             loaded = load_scenario(scenario, host=host)
             measured = load_profile(profile) if profile is not None else None
             if check is not None:
-                _run_check(loaded, measured, scenario, profile, check, as_json)
+                _run_check(loaded, measured, scenario, profile, check, as_json, replicas)
                 return
             plan = make_plan(loaded, measured)
         except (ScenarioError, ProfileError) as error:
