@@ -45,6 +45,9 @@ def test_flag_sets_the_header_and_the_field(models, tmp_path):
         flagged = post(server, {"model": "ar"})
         assert flagged.status_code == 200 and flagged.headers[HEADER] == "true"
         assert flagged.json()["nowait"]["low_confidence"] is True
+        routing = httpx.get(f"{server.base_url}/readyz", timeout=30).json()["routing"]
+        assert routing["low_confidence"] == "flag"
+        assert routing["confidence_floors"] == {"ar": 1.0, "spec": 0.0, "diffusion": 1.0, "frontier-api": 0.5}
         sure = post(server, {"model": "spec"})
         assert sure.status_code == 200 and HEADER not in sure.headers
         assert sure.json()["nowait"]["low_confidence"] is False

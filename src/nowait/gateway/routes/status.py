@@ -11,6 +11,7 @@ from nowait.gateway.errors import APIError
 from nowait.gateway.schemas import ModelCard, ModelList
 from nowait.gateway.service import Gateway, gateway_of
 from nowait.gateway.tenants import caller_in
+from nowait.router import confidence_floor
 
 router = APIRouter()
 
@@ -33,7 +34,12 @@ async def readyz(request: Request) -> JSONResponse:
     ready = gateway.ready()
     routing = {"confidence_threshold": gateway.policy.confidence_threshold,
                "confidence_threshold_source": gateway.threshold_source,
-               "fallback_engine": gateway.config.routing.fallback_engine}
+               "fallback_engine": gateway.config.routing.fallback_engine,
+               # How many requests' schemas have a calibrated threshold of their own (by hash, by kind).
+               "schema_thresholds": len(gateway.policy.schema_thresholds),
+               "kind_thresholds": sorted(gateway.policy.kind_thresholds),
+               "low_confidence": gateway.policy.low_confidence,
+               "confidence_floors": {name: confidence_floor(name, gateway.policy) for name in gateway.backends}}
     return JSONResponse({"status": "ready" if ready else "not_ready", "engines": engines, "routing": routing},
                         status_code=200 if ready else 503)
 
