@@ -25,25 +25,13 @@ from dataclasses import dataclass
 from tokenizers import decoders
 
 from nowait.engines.base import TokenLogprob
+from nowait.engines.structured.token_automaton import byte_level_decoding
 from nowait.tokenizer import TextCodec
 
 BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
-def _byte_table() -> dict[str, int]:
-    """GPT-2's bytes_to_unicode, inverted: printable bytes map to themselves, the rest to 256+."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[chr(b)] = b
-        else:
-            table[chr(256 + extra)] = b
-            extra += 1
-    return table
-
-
-BYTE_LEVEL = _byte_table()
+BYTE_LEVEL = byte_level_decoding()  # byte-level BPE's alphabet -> the byte each char stands for
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import numpy as np
 from nowait.engines.structured.byte_dfa import ByteDFA
 
 
-def _byte_level_decoding() -> dict[str, int]:
+def byte_level_decoding() -> dict[str, int]:
     """The byte-level BPE alphabet (GPT-2's): printable bytes stand for themselves, the rest are
     shifted past 255 in order."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
@@ -41,7 +41,7 @@ def token_byte_strings(tokenizer, special_ids: Iterable[int]) -> list[bytes | No
     Byte-level BPE vocabularies spell bytes with a printable alphabet; other tokenizers fall
     back to decoding the id alone (exact for whole-character tokens).
     """
-    decoding = _byte_level_decoding()
+    decoding = byte_level_decoding()
     special = set(special_ids)
     strings: list[bytes | None] = []
     for token_id in range(tokenizer.get_vocab_size()):
