@@ -21,7 +21,15 @@ import os
 
 import torch
 
-from nowait.bench.shapes import SHAPE_DTYPES, ShapeError, StepCase, best_time, device_accelerator, predicted
+from nowait.bench.shapes import (
+    SHAPE_DTYPES,
+    ShapeError,
+    StepCase,
+    best_time,
+    case_result,
+    device_accelerator,
+    predicted,
+)
 from nowait.gemma_checkpoint import diffusion_gemma_config
 from nowait.model.diffusion_gemma import GLOBAL, SLIDING, DiffusionGemma, DiffusionGemmaConfig, PromptCache
 
@@ -177,16 +185,7 @@ def measure_gemma_shape(name: str, cases: list[StepCase], dtype: str = "bf16", d
         seconds = time_denoise(model, case, budget_s, device)
         cost = spec.forward_cost(case.new_tokens, case.cached_tokens, case.batch, dtype_bytes)
         plan = predicted(spec.shape, accelerator, dtype, case, spec=spec)
-        results.append({
-            "name": case.name, "batch": case.batch, "new_tokens": case.new_tokens,
-            "cached_tokens": case.cached_tokens, "tokens_per_step": case.tokens_per_step,
-            "seconds": seconds, "flops": cost.flops, "bytes": cost.bytes,
-            "achieved_flops": cost.flops / seconds, "achieved_bytes_per_s": cost.bytes / seconds,
-            "flops_utilization": cost.flops / seconds / peak, "bandwidth_utilization": cost.bytes / seconds / bandwidth,
-            "tokens_per_s": case.batch * case.tokens_per_step / seconds,
-            "predicted_s": plan["planner_s"], "roofline_s": plan["roofline_s"], "bound": plan["bound"],
-            "predicted_over_measured": plan["planner_s"] / seconds,
-        })
+        results.append(case_result(case, seconds, cost, plan, peak, bandwidth))
     del model
     total, active = parameter_counts(config)
     return {"shape": name, "family": "diffusiongemma", "dtype": dtype, "device": device, "parameters": total,

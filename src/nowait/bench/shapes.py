@@ -202,21 +202,26 @@ def measure_shape(name: str, cases: list[StepCase], dtype: str = "fp32", device:
     for case in cases:
         seconds = time_step(model, case, budget_s, device)
         cost = config.forward_cost(case.new_tokens, case.cached_tokens, case.batch, dtype_bytes)
-        plan = predicted(config, accelerator, dtype, case)
-        results.append({
-            "name": case.name, "batch": case.batch, "new_tokens": case.new_tokens,
-            "cached_tokens": case.cached_tokens, "tokens_per_step": case.tokens_per_step,
-            "seconds": seconds, "flops": cost.flops, "bytes": cost.bytes,
-            "achieved_flops": cost.flops / seconds, "achieved_bytes_per_s": cost.bytes / seconds,
-            "flops_utilization": cost.flops / seconds / peak, "bandwidth_utilization": cost.bytes / seconds / bandwidth,
-            "tokens_per_s": case.batch * case.tokens_per_step / seconds,
-            "predicted_s": plan["planner_s"], "roofline_s": plan["roofline_s"], "bound": plan["bound"],
-            "predicted_over_measured": plan["planner_s"] / seconds,
-        })
+        results.append(case_result(case, seconds, cost, predicted(config, accelerator, dtype, case), peak, bandwidth))
     del model
     return {"shape": name, "dtype": dtype, "device": device, "parameters": config.parameter_count(),
             "published_parameters": published_parameters(name), "peak_flops": peak, "bandwidth": bandwidth,
             "accelerator": accelerator.model_dump(), "threads": torch.get_num_threads(), "cases": results}
+
+
+def case_result(case, seconds: float, cost, plan: dict, peak: float, bandwidth: float) -> dict:
+    """One timed case of a shape: what it computed and moved, achieved against the accelerator's
+    peak, beside the planner's prediction (`plan`, from `predicted`)."""
+    return {
+        "name": case.name, "batch": case.batch, "new_tokens": case.new_tokens,
+        "cached_tokens": case.cached_tokens, "tokens_per_step": case.tokens_per_step,
+        "seconds": seconds, "flops": cost.flops, "bytes": cost.bytes,
+        "achieved_flops": cost.flops / seconds, "achieved_bytes_per_s": cost.bytes / seconds,
+        "flops_utilization": cost.flops / seconds / peak, "bandwidth_utilization": cost.bytes / seconds / bandwidth,
+        "tokens_per_s": case.batch * case.tokens_per_step / seconds,
+        "predicted_s": plan["planner_s"], "roofline_s": plan["roofline_s"], "bound": plan["bound"],
+        "predicted_over_measured": plan["planner_s"] / seconds,
+    }
 
 
 def print_shape_report(report: dict) -> None:
