@@ -126,3 +126,22 @@ def test_a_killed_run_resumes_to_the_unbroken_result(tiny_start, tmp_path):
     assert log(broken / "out" / "training_log.jsonl") == log(unbroken / "out" / "training_log.jsonl")
     assert_same_tensors(load_file(broken / "out" / "model.safetensors"),
                         load_file(unbroken / "out" / "model.safetensors"), "export")
+
+
+def test_a_state_whose_optimizer_fits_other_parameters_is_refused_in_one_line(tiny_start, tmp_path):
+    """A state.pt of an older layout (separate q/k/v and gate/up projections, so more parameters
+    than this model has) keeps its weights readable but cannot resume: one line, exit 2, and the
+    file left as it was."""
+    model = build_model(vocab_size=TextCodec.from_file(paths.tokenizer_path()).vocab_size, max_position=1024)
+    more_parameters = [*model.parameters(), torch.nn.Parameter(torch.zeros(3))]
+    optimizer = torch.optim.AdamW(more_parameters)
+    (tmp_path / "run").mkdir()
+    written = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 4, "data_index": 0,
+               "best": -1.0}
+    torch.save(written, tmp_path / "run" / "state.pt")
+    before = (tmp_path / "run" / "state.pt").read_bytes()
+    result = CliRunner().invoke(app, train_args(tiny_start, tmp_path))
+    assert result.exit_code == 2, result.output
+    assert "its optimizer state does not fit this model's parameters" in result.output
+    assert "Traceback" not in result.output
+    assert (tmp_path / "run" / "state.pt").read_bytes() == before

@@ -78,7 +78,7 @@ def train(
 ) -> None:
     """Train a demo model (resumes from RUN_DIR/state.pt when present)."""
     from nowait.checkpoints import check_device
-    from nowait.training import TrainSettings
+    from nowait.training import ResumeError, TrainSettings
     from nowait.training import train as run_training
 
     defaults = {"ar": (12000, 2e-3), "draft": (8000, 3e-3), "diffusion": (8000, 1e-3)}[kind.value]
@@ -121,7 +121,11 @@ def train(
                 status += f"  val field acc {last['eval']:.3f}"
             progress.update(task, completed=step, total=record.get("steps", settings.steps), status=status)
 
-        result = run_training(settings, run_dir, out, paths.tokenizer_path(), progress=report)
+        try:
+            result = run_training(settings, run_dir, out, paths.tokenizer_path(), progress=report)
+        except ResumeError as error:
+            progress.stop()
+            fail(str(error))
     shutil.copy2(run_dir / "log.jsonl", Path(out) / "training_log.jsonl")
     console.print_json(json.dumps(result))
 

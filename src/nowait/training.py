@@ -353,6 +353,10 @@ def _new_model(settings: TrainSettings, codec: TextCodec) -> Transformer:
     return Transformer(config)
 
 
+class ResumeError(ValueError):
+    """A run directory's state.pt that this run cannot resume."""
+
+
 def train(settings: TrainSettings, run_dir: Path, export_dir: Path, tokenizer_path: Path,
           progress: Callable[[int, dict], None] | None = None) -> dict:
     """Train (or resume) a model; export the best validation checkpoint to `export_dir`.
@@ -379,7 +383,15 @@ def train(settings: TrainSettings, run_dir: Path, export_dir: Path, tokenizer_pa
     if state_path.exists():
         state = torch.load(state_path, weights_only=False, map_location=device)
         model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+        except ValueError:
+            # The optimizer's state is per parameter: one written for other parameters (before
+            # q/k/v and gate/up were fused, or for another model) cannot go on, whatever the weights.
+            raise ResumeError(f"{state_path}: its optimizer state does not fit this model's parameters (written "
+                              "by an older nowait, before the q/k/v and gate/up projections were fused, or for "
+                              "another kind or size); start a new --run-dir, with --init-from the exported "
+                              "checkpoint to keep its weights") from None
         step, data_index, best = state["step"], state["data_index"], state["best"]
     validation = documents("validation", settings.eval_documents)
     batches = batch_stream(settings, tokenizer_path, data_index)
