@@ -319,12 +319,14 @@ class FailingStore:
         return self.store.get_batch(batch_id, tenant)
 
 
-def test_a_batch_that_keeps_failing_while_validating_is_failed_after_five_passes(store, monkeypatch):
+def test_a_batch_that_keeps_failing_while_validating_is_failed_after_five_passes(store, monkeypatch, caplog):
     sleeps = Sleeps(monkeypatch)
     broken, fine = new_batch(store, 1), new_batch(store, 1)
     runner = BatchRunner(FailingStore(store, {broken}), Executor(), 1, replica="r1")
     # the broken batch does not hold up the one after it; bounded, so a lane that never fails it fails here
-    asyncio.run(asyncio.wait_for(runner._lane("default"), 30))
+    with caplog.at_level(logging.ERROR, logger="nowait.gateway"):
+        asyncio.run(asyncio.wait_for(runner._lane("default"), 30))
+    assert [r.getMessage() for r in caplog.records] == [f"batch {broken} failed in processing"] * 5
     assert store.status(fine) == "completed" and store.status(broken) == "failed"
     [error] = store.get_batch(broken).errors.data
     assert (error.code, error.message) == (
