@@ -29,8 +29,10 @@ class SlotCache(KVCache):
     def __init__(self, storage: Tensor, lengths: Tensor) -> None:
         # KVCache.__init__ is not called: it would allocate per-layer tensors this class replaces.
         self.storage = storage
-        self.keys = list(storage[:, 0].unbind(0))
-        self.values = list(storage[:, 1].unbind(0))
+        # One view per layer by indexing, not `unbind`: a view of a multi-view function may not be
+        # written in place with grad mode on (a test, or a caller outside the engine's no_grad).
+        self.keys = [storage[layer, 0] for layer in range(storage.shape[0])]
+        self.values = [storage[layer, 1] for layer in range(storage.shape[0])]
         self.lengths = lengths
         self.max_tokens = storage.shape[4]
 
