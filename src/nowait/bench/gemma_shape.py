@@ -27,6 +27,7 @@ from nowait.bench.shapes import (
     StepCase,
     best_time,
     case_result,
+    created_on,
     device_accelerator,
     predicted,
 )
@@ -111,13 +112,7 @@ def build_gemma_model(config: DiffusionGemmaConfig, dtype: str = "bf16", device:
     if device != "meta" and needed > 0.9 * _free_bytes(device):
         raise ShapeError(f"the weights need {needed / 1e9:.1f} GB in {dtype}; {device} has "
                          f"{_free_bytes(device) / 1e9:.1f} GB free")
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(SHAPE_DTYPES[dtype])
-    try:
-        with torch.device(device):
-            model = DiffusionGemma(config)
-    finally:
-        torch.set_default_dtype(previous)
+    model = created_on(device, dtype, lambda: DiffusionGemma(config))
     if device != "meta":
         model.embed_tokens.weight.normal_(0.0, 0.02)
         for layer in model.layers:

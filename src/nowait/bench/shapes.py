@@ -12,12 +12,16 @@ side by side.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from nowait.architectures import llama_shape
 from nowait.model import KVCache, ModelConfig, Transformer
+
+T = TypeVar("T")
 
 # Published config.json values (Hugging Face model cards), as HF keys so they go through the loader's reader.
 # The last two: the published parameter count and whether the family decodes by diffusion.
@@ -77,14 +81,19 @@ def build_model(config: ModelConfig, dtype: str = "fp32", device: str = "cpu") -
     is never materialized in fp32 on the host first)."""
     if dtype not in SHAPE_DTYPES:
         raise ShapeError(f"unknown dtype {dtype!r}; use fp32 or bf16")
+    return created_on(device, dtype, lambda: Transformer(config)).eval()
+
+
+def created_on(device: str, dtype: str, make: Callable[[], T]) -> T:
+    """`make()` with every tensor it creates allocated on `device` in `dtype` from the start
+    (the default dtype is put back after)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(SHAPE_DTYPES[dtype])
     try:
         with torch.device(device):
-            model = Transformer(config)
+            return make()
     finally:
         torch.set_default_dtype(previous)
-    return model.eval()
 
 
 @dataclass(frozen=True)
