@@ -190,11 +190,15 @@ def threshold_for(schema: dict | None, policy: RoutingPolicy) -> tuple[float, st
     return policy.confidence_threshold, "global"
 
 
+def below_threshold(confidence: float, threshold: float) -> bool:
+    """A NaN confidence (a half-precision model's overflow) is not at or above any threshold."""
+    return not confidence >= threshold
+
+
 def should_fall_back(confidence: float, policy: RoutingPolicy, schema: dict | None = None) -> bool:
     """A diffusion answer below the request's threshold (`threshold_for`) is re-run on the
-    fallback engine (both runs are paid for). A NaN confidence (a half-precision model's
-    overflow) is not at or above it: re-run."""
-    return not confidence >= threshold_for(schema, policy)[0]
+    fallback engine (both runs are paid for)."""
+    return below_threshold(confidence, threshold_for(schema, policy)[0])
 
 
 def confidence_floor(engine: str, policy: RoutingPolicy) -> float:

@@ -38,6 +38,7 @@ from nowait.router import (
     Decision,
     RoutingPolicy,
     below_floor,
+    below_threshold,
     confidence_floor,
     failover,
     low_confidence_rerun,
@@ -180,8 +181,9 @@ class Dispatcher:
         answer, not for that engine. A timeout (504) does not: the time is already spent."""
         if isinstance(error, UpstreamFailure) and decision.rule != "pinned":
             return failover(decision.engine, self.policy)
-        if error.code == LOGPROBS_UNSUPPORTED and decision.rule != "pinned" and failover(decision.engine, self.policy):
-            return failover(decision.engine, self.policy)  # routed to a remote frontier: the owned one has them
+        if error.code == LOGPROBS_UNSUPPORTED and decision.rule != "pinned" and (
+                owned := failover(decision.engine, self.policy)):
+            return owned  # routed to a remote frontier: the owned one has them
         if decision.fallback_engine is None:
             return None
         if error.code in (SCHEMA_UNSUPPORTED, LOGPROBS_UNSUPPORTED) or error.status in (429, 500, 503):
@@ -194,7 +196,7 @@ class Dispatcher:
             return "confidence_unknown", (f"{attempt.engine} gave no confidence "
                                           f"({attempt.confidence_missing or 'none reported'})")
         threshold, source = threshold_for(call.schema, self.policy)
-        if not attempt.confidence >= threshold:  # NaN (a half-precision overflow) is not at or above it
+        if below_threshold(attempt.confidence, threshold):
             where = "" if source == "global" else f" (the {source}'s threshold)"
             return "confidence", f"{attempt.engine} confidence {attempt.confidence:.3g} is below {threshold:g}{where}"
         if call.json_mode and not conforms(attempt.text, call.schema):
