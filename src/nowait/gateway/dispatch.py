@@ -192,16 +192,7 @@ class Dispatcher:
 
     def fallback_cause(self, attempt: Attempt, call: Call) -> tuple[str, str] | None:
         """(cause, sentence) when a fast-engine answer is not good enough to hand back, else None."""
-        if attempt.confidence is None:  # an answer of unknown confidence does not pass as a confident one
-            return "confidence_unknown", (f"{attempt.engine} gave no confidence "
-                                          f"({attempt.confidence_missing or 'none reported'})")
-        threshold, source = threshold_for(call.schema, self.policy)
-        if below_threshold(attempt.confidence, threshold):
-            where = "" if source == "global" else f" (the {source}'s threshold)"
-            return "confidence", f"{attempt.engine} confidence {attempt.confidence:.3g} is below {threshold:g}{where}"
-        if call.json_mode and not conforms(attempt.text, call.schema):
-            return "invalid_output", f"{attempt.engine} output is not JSON valid for the requested format"
-        return None
+        return fallback_cause(attempt, call.schema, call.json_mode, self.policy)
 
     def _low(self, outcome: Outcome, action: str, why: str = "", then: str = "flagged") -> LowConfidence:
         """Record the final answer as below its floor, handled by `action` (`then` says how)."""
@@ -326,6 +317,23 @@ class Dispatcher:
             "completion_tokens": outcome.final.completion_tokens if outcome.attempts else 0,
             "seconds": round(time.perf_counter() - started, 6), "cost_usd": outcome.cost_usd,
         })
+
+
+def fallback_cause(attempt: Attempt, schema: dict | None, json_mode: bool,
+                   policy: RoutingPolicy) -> tuple[str, str] | None:
+    """The fallback rule on one fast-engine answer: (cause, sentence) when it is not good enough
+    to hand back, else None. A function of its inputs, so `nowait eval --engine routed` judges
+    answers by the gateway's own rule."""
+    if attempt.confidence is None:  # an answer of unknown confidence does not pass as a confident one
+        return "confidence_unknown", (f"{attempt.engine} gave no confidence "
+                                      f"({attempt.confidence_missing or 'none reported'})")
+    threshold, source = threshold_for(schema, policy)
+    if below_threshold(attempt.confidence, threshold):
+        where = "" if source == "global" else f" (the {source}'s threshold)"
+        return "confidence", f"{attempt.engine} confidence {attempt.confidence:.3g} is below {threshold:g}{where}"
+    if json_mode and not conforms(attempt.text, schema):
+        return "invalid_output", f"{attempt.engine} output is not JSON valid for the requested format"
+    return None
 
 
 def attempt_record(attempt: Attempt) -> dict:
