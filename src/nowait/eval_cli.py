@@ -4,6 +4,7 @@ held-out documents, and the fallback threshold chosen on them."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
@@ -12,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from nowait import paths
 from nowait.cli_errors import fail
+from nowait.corpus_tiers import TIER_HELP
 
 if TYPE_CHECKING:  # torch and the engines load when a command runs, not with the CLI
     from nowait.checkpoints import LoadedModel
@@ -20,6 +22,7 @@ if TYPE_CHECKING:  # torch and the engines load when a command runs, not with th
 
 console = Console()
 err_console = Console(stderr=True)
+ROUTED = "routed"  # eval's engine for the gateway's real-time route: diffusion, falling back to AR
 
 
 def load_model(model: str, device: str = "cpu", models: ModelCache | None = None) -> LoadedModel:
@@ -41,7 +44,8 @@ def load_model(model: str, device: str = "cpu", models: ModelCache | None = None
 
 
 def evaluate(
-    engine: str = typer.Option("ar", help="ar, spec (AR + speculative decoding) or diffusion"),
+    engine: str = typer.Option("ar", help="ar, spec (AR + speculative decoding), diffusion, or routed (diffusion "
+                                          "with the gateway's fallback to AR, one document at a time)"),
     n: int = typer.Option(100, help="documents to decode"),
     split: str = typer.Option("test", help="validation or test (ignored with --seed)"),
     seed: int = typer.Option(None, help="a fresh sample of the same distribution, never seen in training"),
@@ -69,6 +73,12 @@ def evaluate(
                                          "diffusion (default: the bundled diffusion)"),
     threads: int = typer.Option(None, min=1, help="CPU threads (default: torch's choice)"),
     device: str = typer.Option("cpu", help="cpu, cuda or cuda:N (engines ar and diffusion)"),
+    tier: str = typer.Option("clean", help=TIER_HELP),
+    config: Path = typer.Option(None, "--config", "-c", help="routed: a gateway config (its fast and fallback "
+                                                            "engines, thresholds, floors and node prices)"),
+    ar_model: str = typer.Option(None, help="routed: the fallback engine's checkpoint (default: the config's)"),
+    threshold: float = typer.Option(None, help="routed: one fallback threshold for every request instead of the "
+                                               "config's or the calibrated ones (above 1: every answer falls back)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Decode N held-out documents and score the JSON: accuracy, validity, forwards and latency."""
@@ -78,16 +88,33 @@ def evaluate(
     from nowait.engines.speculative import SPEC_METHODS
     from nowait.evaluation import ENGINES, check_engine, diffusion_options, run_engine_eval, run_eval
 
-    if engine not in ENGINES:
-        fail(f"unknown engine {engine!r}; choose one of: {', '.join(ENGINES)}")
+    if engine not in (*ENGINES, ROUTED):
+        fail(f"unknown engine {engine!r}; choose one of: {', '.join((*ENGINES, ROUTED))}")
     if seed is None and split not in ("validation", "test"):
         fail(f"unknown split {split!r}; choose validation or test (or give --seed)")
     if n < 1:
         fail("--n must be at least 1")
     if batch_size < 1:
         fail("--batch-size must be at least 1")
+    _check_tier(tier)
     diffusion_flags = {"--policy": policy, "--tau": tau, "--block": block, "--cache": cache, "--refresh": refresh,
                        "--cache-decoded": cache_decoded}
+    routed_flags = {"--config": config, "--ar-model": ar_model, "--threshold": threshold}
+    if engine == ROUTED:
+        given = [flag for flag, value in {**diffusion_flags, "--gamma": gamma, "--draft": draft}.items()
+                 if value is not None]
+        if given:
+            fail(f"{', '.join(given)} do not apply to --engine routed: its engines are the config's (set diffusion "
+                 "options under engines.<name>.options in --config)")
+        if threshold is not None and threshold < 0:
+            fail(f"--threshold must be at least 0, got {threshold:g}")
+        if threads:
+            torch.set_num_threads(threads)
+        _evaluate_routed(config, model, ar_model, threshold, n, split, seed, tier, structured, device, as_json)
+        return
+    given = [flag for flag, value in routed_flags.items() if value is not None]
+    if given:
+        fail(f"{', '.join(given)} apply to --engine routed only")
     if engine in ("ar", "spec"):
         given = [flag for flag, value in diffusion_flags.items() if value is not None]
         if given:
@@ -124,16 +151,53 @@ def evaluate(
             if serving is not None:
                 # Speculation runs at batch size 1, where it pays; constrained AR batched.
                 result = run_engine_eval(serving, loaded.codec, n, split, seed, structured,
-                                         one_at_a_time=engine == "spec", on_batch=advance)
+                                         one_at_a_time=engine == "spec", on_batch=advance, tier=tier)
             else:
                 result = run_eval(loaded.model, loaded.codec, engine, n, split=split, seed=seed,
                                   batch_size=batch_size, block=block, policy=policy, tau=tau, cache=cache,
                                   structured=structured, on_batch=advance, refresh=refresh,
-                                  cache_decoded=cache_decoded)
+                                  cache_decoded=cache_decoded, tier=tier)
         except ValueError as error:
             fail(str(error))
     result["settings"]["model"] = str(loaded.path)
     result["settings"]["device"] = device
+    if as_json:
+        print(json.dumps(result))
+        return
+    _print_eval_table(result)
+
+
+def _check_tier(tier: str) -> None:
+    from nowait.corpus_tiers import check_tier
+
+    try:
+        check_tier(tier)
+    except ValueError as error:
+        fail(str(error))
+
+
+def _evaluate_routed(config_file: Path | None, model: str | None, ar_model: str | None, threshold: float | None,
+                     n: int, split: str, seed: int | None, tier: str, structured: bool, device: str,
+                     as_json: bool) -> None:
+    """`eval --engine routed`: the config's fast engine with the gateway's fallback rule."""
+    from nowait.gateway.config import ConfigError, default_config, load_config
+    from nowait.routed_eval import routed_config, run_routed_eval
+
+    try:
+        base = load_config(config_file) if config_file is not None else default_config()
+    except ConfigError as error:
+        fail(str(error))
+    # --device moves both engines; left at cpu, the config's own devices hold.
+    chosen = routed_config(base, model, ar_model, None if device == "cpu" else device)
+    with Progress(TextColumn("[bold]eval routed"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TimeRemainingColumn(), console=err_console, transient=as_json) as progress:
+        task = progress.add_task("eval", total=n)
+        try:
+            result = run_routed_eval(chosen, n, split, seed, tier, structured, threshold,
+                                     on_batch=lambda k: progress.advance(task, k))
+        except ValueError as error:  # a checkpoint that cannot load, an engine of the wrong kind
+            fail(str(error))
+    result["settings"]["config"] = str(config_file) if config_file else None
     if as_json:
         print(json.dumps(result))
         return
@@ -179,6 +243,13 @@ def _print_eval_table(result: dict) -> None:
         table.add_row(kind, str(m["n"]), f"{m['field_accuracy']:.3f}", f"{m['present_field_accuracy']:.3f}",
                       f"{m['doc_accuracy']:.3f}", f"{m['json_valid_rate']:.3f}")
     console.print(table)
+    if result["settings"]["engine"] == ROUTED:
+        console.print(f"{result['settings']['decoding']}; {result['elapsed_s']} s; kept on diffusion "
+                      f"{result['kept_on_diffusion']:.0%} (diffusion alone: field acc "
+                      f"{result['diffusion_field_accuracy']:.3f}); latency p50 {result['latency_ms_p50']} ms, p95 "
+                      f"{result['latency_ms_p95']} ms; ${result['usd_per_request']:.2e} per request; "
+                      f"{result['low_confidence_flags']} low-confidence flag(s)", highlight=False)
+        return
     console.print(f"{result['settings']['decoding']}; {result['elapsed_s']} s; "
                   f"{result['forwards_per_doc']} forwards/doc, {result['tokens_per_forward']} tokens/forward, "
                   f"latency p50 {result['latency_ms_p50']} ms, p95 {result['latency_ms_p95']} ms", highlight=False)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from nowait.corpus_tiers import tier_documents, tier_of
 from nowait.engines.ar import AutoregressiveEngine, greedy_decode
 from nowait.engines.base import Completion, GenerationRequest, SamplingParams
 from nowait.engines.config import DiffusionEngineConfig
@@ -24,7 +25,7 @@ from nowait.engines.diffusion.reference import reference_decode
 from nowait.engines.diffusion.request import DiffusionOptions
 from nowait.engines.factory import EngineModel, engine_from
 from nowait.engines.speculative import SpeculativeEngine
-from nowait.extraction.corpus import KINDS, Document, documents, schema_for
+from nowait.extraction.corpus import KINDS, Document, schema_for
 from nowait.extraction.scorer import parse_json_object, schema_valid, score_document, summarize
 from nowait.model import Transformer
 from nowait.tokenizer import TextCodec, extraction_prompt
@@ -66,6 +67,18 @@ def decode_documents(model: Transformer, codec: TextCodec, docs: list[Document],
         if on_batch:
             on_batch(len(chunk))
     return texts
+
+
+def scored_summary(texts: list[str], docs: list[Document]) -> dict:
+    """The scorer's summary of the answers (`nowait.extraction.scorer.summarize`); for documents
+    of several tiers (`--tier mixed`), the same summary per tier under `per_tier`."""
+    scores = [score_document(text, d.fields, d.kind) for text, d in zip(texts, docs, strict=True)]
+    summary = summarize(scores)
+    tiers = sorted({tier_of(d) for d in docs})
+    if len(tiers) > 1:
+        summary["per_tier"] = {tier: summarize(s for s, d in zip(scores, docs, strict=True) if tier_of(d) == tier)
+                               for tier in tiers}
+    return summary
 
 
 def evaluate_model(model: Transformer, codec: TextCodec, docs: list[Document], **decode_options) -> dict:
@@ -161,7 +174,7 @@ def evaluate_engine(model: Transformer, codec: TextCodec, engine: str, docs: lis
     started = time.perf_counter()
     records = decode_records(model, codec, engine, docs, batch_size, diffusion, structured, on_batch)
     elapsed = time.perf_counter() - started
-    metrics = summarize(score_document(r.text, d.fields, d.kind) for r, d in zip(records, docs, strict=True))
+    metrics = scored_summary([r.text for r in records], docs)
     return {**metrics, **speed_summary(records), "elapsed_s": round(elapsed, 2)}
 
 
@@ -186,12 +199,12 @@ def run_eval(model: Transformer, codec: TextCodec, engine: str, n: int, split: s
              seed: int | None = None, batch_size: int = 32, block: int | None = None,
              on_batch: Callable[[int], None] | None = None, policy: str | None = None,
              tau: float | None = None, cache: str | None = None, structured: bool = False,
-             refresh: str | None = None, cache_decoded: bool | None = None) -> dict:
+             refresh: str | None = None, cache_decoded: bool | None = None, tier: str = "clean") -> dict:
     """`nowait eval`: metrics on n held-out documents plus the settings that produced them."""
     check_engine(model, engine)
     options = (diffusion_options(policy, tau, block, cache, refresh=refresh, cache_decoded=cache_decoded)
                if engine == "diffusion" else None)
-    docs = documents(split, n, seed=seed)
+    docs = tier_documents(split, n, seed=seed, tier=tier)
     result = evaluate_engine(model, codec, engine, docs, batch_size, options, structured, on_batch)
     settings = {"engine": engine, "split": None if seed is not None else split, "seed": seed,
                 "batch_size": batch_size, "structured": structured,
@@ -202,7 +215,7 @@ def run_eval(model: Transformer, codec: TextCodec, engine: str, n: int, split: s
                         else options.block, cache=options.cache, score=options.score)
         if options.cache == "dual":  # the refresh and settled-token options apply to the dual cache only
             settings.update(refresh=options.refresh, cache_decoded=options.cache_decoded)
-    return {**result, "settings": settings}
+    return {**result, "tier": tier, "settings": settings}
 
 
 # --- an AR engine as served: `nowait eval --engine spec` and `--engine ar --structured` ---
@@ -232,7 +245,7 @@ def decode_documents_with(engine: AutoregressiveEngine, docs: list[Document], co
 
 def completion_metrics(completions: list[Completion], docs: list[Document]) -> dict:
     """The eval fields every engine reports (the scorer's, plus cost and latency)."""
-    metrics = summarize(score_document(c.text, d.fields, d.kind) for c, d in zip(completions, docs, strict=True))
+    metrics = scored_summary([c.text for c in completions], docs)
     tokens = sum(c.completion_tokens for c in completions)
     forwards = sum(c.forwards for c in completions)
     latencies = np.array([c.timings.total_s for c in completions]) * 1000
@@ -258,10 +271,10 @@ def completion_metrics(completions: list[Completion], docs: list[Document]) -> d
 
 def run_engine_eval(engine: AutoregressiveEngine, codec: TextCodec, n: int, split: str = "test",
                     seed: int | None = None, structured: bool = False, one_at_a_time: bool = False,
-                    on_batch: Callable[[int], None] | None = None) -> dict:
+                    on_batch: Callable[[int], None] | None = None, tier: str = "clean") -> dict:
     """`nowait eval --engine ar|spec [--structured]`: the fields of `run_eval` plus the engine's
     cost and latency fields."""
-    docs = documents(split, n, seed=seed)
+    docs = tier_documents(split, n, seed=seed, tier=tier)
     started = time.perf_counter()
     completions = decode_documents_with(engine, docs, codec, structured, one_at_a_time, on_batch=on_batch)
     elapsed = time.perf_counter() - started
@@ -276,7 +289,8 @@ def run_engine_eval(engine: AutoregressiveEngine, codec: TextCodec, n: int, spli
     settings = {"engine": engine.name, "split": None if seed is not None else split, "seed": seed,
                 "structured": structured, "batch_size": 1 if one_at_a_time else engine.config.max_num_seqs,
                 "decoding": decoding}
-    return {**completion_metrics(completions, docs), "settings": settings, "elapsed_s": round(elapsed, 2)}
+    return {**completion_metrics(completions, docs), "tier": tier, "settings": settings,
+            "elapsed_s": round(elapsed, 2)}
 
 
 # --- one document, for `nowait extract` ---
