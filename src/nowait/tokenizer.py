@@ -15,7 +15,8 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from nowait.extraction.corpus import KIND_TITLES
+from nowait.extraction.corpus import Document
+from nowait.extraction.instructions import default_instruction
 
 END = "<|endoftext|>"  # end of answer, and padding
 MASK = "<|mask|>"  # the masked-diffusion mask token
@@ -55,7 +56,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 1024) -> Tokenizer:
 
 
 def instruction_for(kind: str) -> str:
-    return f"Extract the {KIND_TITLES[kind]} below as JSON."
+    """The default wording (the clean tier's); others: `nowait.extraction.instructions`."""
+    return default_instruction(kind)
 
 
 def render_chat(messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
@@ -65,9 +67,17 @@ def render_chat(messages: list[dict[str, str]], add_generation_prompt: bool = Tr
     return text + (ASSISTANT if add_generation_prompt else "")
 
 
-def extraction_prompt(kind: str, document: str) -> str:
-    """The prompt the demo models are trained on: instruction naming the kind, then the document."""
-    return render_chat([{"role": "user", "content": f"{instruction_for(kind)}\n{document}\n"}])
+def extraction_prompt(kind: str, document: str, instruction: str | None = None) -> str:
+    """The prompt the demo models are trained on: the instruction (default: the one naming the
+    kind), then the document, in one user turn; `nowait.gateway.prompts.chat_prompt` folds a
+    system instruction and a user document into this same text."""
+    content = f"{instruction or instruction_for(kind)}\n{document}\n"
+    return render_chat([{"role": "user", "content": content}])
+
+
+def document_prompt(document: Document) -> str:
+    """The prompt for a corpus document, in the wording it carries (hard tier) or the default."""
+    return extraction_prompt(document.kind, document.text, document.instruction or None)
 
 
 @dataclass

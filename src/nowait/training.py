@@ -9,6 +9,9 @@ DiffuLLaMA adapt AR models, so the copying circuits carry over.
 
 A curriculum ramps the corpus' `variety` from clean, pre-normalized documents (pure copying)
 to the full distribution, so the copying heads form before the normalizations are learned.
+`hard_fraction` mixes hard-tier documents (tables, letters, packets, amendments, scan noise,
+instructions in many wordings) into the stream; the hard tier's held-out layouts and labels
+never occur in training, and `eval_tier` picks the validation tier the best checkpoint is chosen on.
 Runs are resumable: the data stream is a function of its index, stored with the checkpoint.
 Batches are built by worker processes ahead of the optimizer (`data_workers`), each pool of
 batches a pure function of its first data index, so a GPU run is not starved by the CPU.
@@ -38,13 +41,13 @@ from nowait.extraction.corpus import (
     KINDS,
     Document,
     documents,
-    held_out_texts,
     schema_for,
+    training_exclude,
     training_range,
     training_stream,
 )
 from nowait.model import ModelConfig, Transformer
-from nowait.tokenizer import END, TextCodec, extraction_prompt, train_tokenizer
+from nowait.tokenizer import END, TextCodec, document_prompt, extraction_prompt, train_tokenizer
 
 MODEL_PRESETS: dict[str, dict] = {
     "ar": dict(hidden_size=192, intermediate_size=512, num_layers=4, num_heads=6, num_kv_heads=3),
@@ -77,6 +80,8 @@ class TrainSettings:
     data_workers: int = 0  # processes building batches ahead of the optimizer (0: in this process)
     minutes: float | None = None  # a time budget: `steps` is re-planned from the measured step rate
     data_start: int = 0  # first data index of a new run (a continuation reads documents it never saw)
+    hard_fraction: float = 0.0  # share of hard-tier documents in the stream (0: the clean stream exactly)
+    eval_tier: str = "clean"  # the tier of the periodic validation (mixed: the best keeps clean and gains hard)
     model: dict = field(default_factory=dict)
 
 
@@ -118,7 +123,7 @@ def ar_batch(docs: list[Document], codec: TextCodec, document_weight: float) -> 
     """Inputs, targets and per-target weights (answer 1, document `document_weight`, pad 0)."""
     sequences, prompt_lengths = [], []
     for doc in docs:
-        prompt = codec.encode(extraction_prompt(doc.kind, doc.text))
+        prompt = codec.encode(document_prompt(doc))
         sequences.append(prompt + codec.encode(doc.answer_json()) + [codec.end_id])
         prompt_lengths.append(len(prompt))
     length = max(len(s) for s in sequences) - 1
@@ -172,7 +177,7 @@ def diffusion_batch(docs: list[Document], codec: TextCodec, window: int, generat
     """
     prompts, answers, fillable = [], [], []
     for doc in docs:
-        prompts.append(codec.encode(extraction_prompt(doc.kind, doc.text)))
+        prompts.append(codec.encode(document_prompt(doc)))
         answer = None
         if templates and float(torch.rand(1, generator=generator)) < template_fraction:
             template = templates[doc.kind]
@@ -272,13 +277,13 @@ class BatchMaker:
         self.settings = settings
         self.codec = TextCodec.from_file(tokenizer_path)
         self.variety = curriculum(settings)
-        self.exclude = held_out_texts()
+        self.exclude = training_exclude(settings.hard_fraction)
         self.templates = ({kind: build_template(schema_for(kind), self.codec, self.codec.mask_id) for kind in KINDS}
                           if settings.kind == "diffusion" else None)
 
     def __call__(self, start: int) -> list[tuple]:
         s = self.settings
-        pool = sorted(training_range(start, start + pool_size(s), self.variety, self.exclude),
+        pool = sorted(training_range(start, start + pool_size(s), self.variety, self.exclude, s.hard_fraction),
                       key=lambda d: len(d.text) + len(d.answer_json()))
         groups = [pool[i: i + s.batch_size] for i in range(0, len(pool), s.batch_size)]
         random.Random(f"buckets:{s.seed}:{start}").shuffle(groups)
@@ -393,7 +398,7 @@ def train(settings: TrainSettings, run_dir: Path, export_dir: Path, tokenizer_pa
                               "another kind or size); start a new --run-dir, with --init-from the exported "
                               "checkpoint to keep its weights") from None
         step, data_index, best = state["step"], state["data_index"], state["best"]
-    validation = documents("validation", settings.eval_documents)
+    validation = documents("validation", settings.eval_documents, tier=settings.eval_tier)
     batches = batch_stream(settings, tokenizer_path, data_index)
     log = log_path.open("a")
     recent: list[float] = []
