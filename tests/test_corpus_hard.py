@@ -264,3 +264,31 @@ def test_training_batches_carry_each_documents_wording():
     for row, d in enumerate(docs):
         prompt_length = int(answer[row].nonzero()[0]) + 1
         assert codec.decode(inputs[row, :prompt_length].tolist()).startswith(d.instruction)
+
+
+# --- a training run on the mix ---
+
+
+def test_a_training_run_on_the_mix_records_its_tier_and_validates_on_it(tmp_path):
+    from nowait.training import TrainSettings, train
+
+    settings = TrainSettings(kind="ar", steps=2, batch_size=2, eval_every=2, eval_documents=2, threads=1,
+                             clean_steps=0, curriculum_steps=0, hard_fraction=0.5, eval_tier="mixed",
+                             model=dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                                        num_kv_heads=2))
+    train(settings, tmp_path / "run", tmp_path / "out", paths.tokenizer_path())
+    saved = json.loads((tmp_path / "run" / "settings.json").read_text())
+    assert (saved["hard_fraction"], saved["eval_tier"]) == (0.5, "mixed")
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())["nowait"]["training"]
+    assert exported["settings"]["hard_fraction"] == 0.5 and exported["validation"]["n"] == 2
+
+
+def test_train_refuses_a_hard_fraction_outside_zero_to_one(tmp_path):
+    from typer.testing import CliRunner
+
+    from nowait.cli import app
+
+    result = CliRunner().invoke(app, ["train", "ar", "--tier", "mixed", "--hard-fraction", "1.5",
+                                      "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "out")])
+    assert result.exit_code != 0 and "--hard-fraction" in result.output
+    assert not (tmp_path / "run").exists()
