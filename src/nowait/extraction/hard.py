@@ -21,6 +21,7 @@ LAYOUT_FAMILIES = {"table": "table_transposed", "two_column": "two_column_stacke
                    "letter": "letter_third_person", "packet": "packet_email", "amendment": "amendment_table"}
 TRAIN_LAYOUTS = tuple(LAYOUT_FAMILIES)
 HELD_OUT_LAYOUTS = tuple(LAYOUT_FAMILIES.values())
+POSITIONAL_LAYOUTS = ("table_transposed", "two_column_stacked")  # a value row under its label row
 HELD_OUT_SHARE = 0.4  # of the test split's and fresh seeds' hard documents
 MAX_GAP = 8  # spaces between columns at most (each space is about one token of the prompt)
 
@@ -144,5 +145,5 @@ def render_hard(kind: str, rng: random.Random, held_out: bool) -> tuple[str, dic
     family = rng.choice(TRAIN_LAYOUTS)
     layout = LAYOUT_FAMILIES[family] if held_out else family
     d = draft(kind, rng, held_out, amend=family == "amendment")
-    lines = stray_marks(layout_lines(d, layout, rng), rng)
+    lines = stray_marks(layout_lines(d, layout, rng), rng, own_lines=layout not in POSITIONAL_LAYOUTS)
     return "\n".join(lines).strip(), d.fields, layout
