@@ -11,7 +11,6 @@ import yaml
 from typer.testing import CliRunner
 
 from nowait.cli import app
-from nowait.corpus_tiers import tier_documents, tiers
 from nowait.engines.base import Completion, Timings
 from nowait.extraction.corpus import documents, schema_for
 from nowait.gateway.ledger import owned_cost_usd
@@ -101,9 +100,8 @@ def test_a_schemas_own_threshold_decides_for_its_kind(codec):
     assert result["threshold_sources"] == {"schema": 2, "global": 4}  # only kyc's schema has its own
 
 
-@pytest.mark.skipif("mixed" not in tiers(), reason="the corpus has no hard tier yet")
 def test_mixed_documents_report_the_route_per_tier(codec):
-    docs = tier_documents("test", 12, tier="mixed")
+    docs = documents("test", 12, tier="mixed")
     result, _, _ = routed(docs, codec, RoutingPolicy(confidence_threshold=0.0))
     assert set(result["per_tier"]) == {"clean", "hard"}
     assert sum(entry["n"] for entry in result["per_tier"].values()) == 12

@@ -17,7 +17,6 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from nowait.corpus_tiers import tier_documents, tier_of
 from nowait.engines.ar import AutoregressiveEngine, greedy_decode
 from nowait.engines.base import Completion, GenerationRequest, SamplingParams
 from nowait.engines.config import DiffusionEngineConfig
@@ -25,10 +24,10 @@ from nowait.engines.diffusion.reference import reference_decode
 from nowait.engines.diffusion.request import DiffusionOptions
 from nowait.engines.factory import EngineModel, engine_from
 from nowait.engines.speculative import SpeculativeEngine
-from nowait.extraction.corpus import KINDS, Document, schema_for
+from nowait.extraction.corpus import KINDS, Document, documents, schema_for
 from nowait.extraction.scorer import parse_json_object, schema_valid, score_document, summarize
 from nowait.model import Transformer
-from nowait.tokenizer import TextCodec, extraction_prompt
+from nowait.tokenizer import TextCodec, document_prompt, extraction_prompt
 
 ANSWER_WINDOW = 160  # longest answer (~130 tokens) + end, as 5 diffusion blocks of 32
 DIFFUSION_BLOCK = 32
@@ -61,7 +60,7 @@ def decode_documents(model: Transformer, codec: TextCodec, docs: list[Document],
     texts: list[str] = []
     for start in range(0, len(docs), batch_size):
         chunk = docs[start: start + batch_size]
-        prompts = [codec.encode(extraction_prompt(d.kind, d.text)) for d in chunk]
+        prompts = [codec.encode(document_prompt(d)) for d in chunk]
         outputs = decode_prompts(model, codec, prompts, max_new_tokens, block)
         texts.extend(codec.decode(ids) for ids in outputs)
         if on_batch:
@@ -74,9 +73,9 @@ def scored_summary(texts: list[str], docs: list[Document]) -> dict:
     of several tiers (`--tier mixed`), the same summary per tier under `per_tier`."""
     scores = [score_document(text, d.fields, d.kind) for text, d in zip(texts, docs, strict=True)]
     summary = summarize(scores)
-    tiers = sorted({tier_of(d) for d in docs})
+    tiers = sorted({d.tier for d in docs})
     if len(tiers) > 1:
-        summary["per_tier"] = {tier: summarize(s for s, d in zip(scores, docs, strict=True) if tier_of(d) == tier)
+        summary["per_tier"] = {tier: summarize(s for s, d in zip(scores, docs, strict=True) if d.tier == tier)
                                for tier in tiers}
     return summary
 
@@ -116,7 +115,7 @@ def decode_records(model: Transformer, codec: TextCodec, engine: str, docs: list
                         if engine == "diffusion" else None)
     for start in range(0, len(docs), batch_size):
         chunk = docs[start: start + batch_size]
-        prompts = [codec.encode(extraction_prompt(d.kind, d.text)) for d in chunk]
+        prompts = [codec.encode(document_prompt(d)) for d in chunk]
         if diffusion_engine is None:
             stats: dict = {}
             started = time.perf_counter()
@@ -204,7 +203,7 @@ def run_eval(model: Transformer, codec: TextCodec, engine: str, n: int, split: s
     check_engine(model, engine)
     options = (diffusion_options(policy, tau, block, cache, refresh=refresh, cache_decoded=cache_decoded)
                if engine == "diffusion" else None)
-    docs = tier_documents(split, n, seed=seed, tier=tier)
+    docs = documents(split, n, seed=seed, tier=tier)
     result = evaluate_engine(model, codec, engine, docs, batch_size, options, structured, on_batch)
     settings = {"engine": engine, "split": None if seed is not None else split, "seed": seed,
                 "batch_size": batch_size, "structured": structured,
@@ -224,7 +223,7 @@ def run_eval(model: Transformer, codec: TextCodec, engine: str, n: int, split: s
 def document_request(doc: Document, codec: TextCodec, structured: bool = False,
                      max_tokens: int = ANSWER_WINDOW) -> GenerationRequest:
     """Greedy extraction of one document, constrained to its kind's JSON Schema if `structured`."""
-    return GenerationRequest(codec.encode(extraction_prompt(doc.kind, doc.text)), SamplingParams(max_tokens=max_tokens),
+    return GenerationRequest(codec.encode(document_prompt(doc)), SamplingParams(max_tokens=max_tokens),
                              schema=schema_for(doc.kind) if structured else None, request_id=doc.doc_id)
 
 
@@ -274,7 +273,7 @@ def run_engine_eval(engine: AutoregressiveEngine, codec: TextCodec, n: int, spli
                     on_batch: Callable[[int], None] | None = None, tier: str = "clean") -> dict:
     """`nowait eval --engine ar|spec [--structured]`: the fields of `run_eval` plus the engine's
     cost and latency fields."""
-    docs = tier_documents(split, n, seed=seed, tier=tier)
+    docs = documents(split, n, seed=seed, tier=tier)
     started = time.perf_counter()
     completions = decode_documents_with(engine, docs, codec, structured, one_at_a_time, on_batch=on_batch)
     elapsed = time.perf_counter() - started

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from nowait.corpus_tiers import tier_documents, tier_of
 from nowait.engines.base import Completion, GenerationRequest, SamplingParams
 from nowait.engines.factory import ModelCache, OwnedEngine, build_engine
 from nowait.evaluation import (
@@ -35,14 +34,14 @@ from nowait.evaluation import (
     describe_decoding,
     scored_summary,
 )
-from nowait.extraction.corpus import Document, schema_for
+from nowait.extraction.corpus import Document, documents, schema_for
 from nowait.gateway.config import GatewayConfig
 from nowait.gateway.dispatch import fallback_cause
 from nowait.gateway.domain import Attempt
 from nowait.gateway.ledger import owned_cost_usd
 from nowait.gateway.prompts import ANY_OBJECT
 from nowait.router import RoutingPolicy, below_floor, confidence_floor, threshold_for
-from nowait.tokenizer import TextCodec, extraction_prompt
+from nowait.tokenizer import TextCodec, document_prompt
 
 
 @dataclass(frozen=True)
@@ -88,7 +87,7 @@ def answer_document(doc: Document, codec: TextCodec, fast: RoutedEngine, fallbac
                     policy: RoutingPolicy, structured: bool) -> RoutedAnswer:
     """One real-time request through the route (module docstring)."""
     schema = schema_for(doc.kind) if structured else ANY_OBJECT
-    prompt = codec.encode(extraction_prompt(doc.kind, doc.text))
+    prompt = codec.encode(document_prompt(doc))
     # The diffusion engine fills a kind's template; "any object" has none, so it decodes free-form
     # (gateway/owned.py does the same).
     first = _run(fast, _request(prompt, schema if structured else None,
@@ -167,7 +166,7 @@ def routed_metrics(answers: list[RoutedAnswer], docs: list[Document], fast_engin
 
     add(summary, list(range(len(docs))))
     for tier, entry in summary.get("per_tier", {}).items():
-        add(entry, [i for i, d in enumerate(docs) if tier_of(d) == tier])
+        add(entry, [i for i, d in enumerate(docs) if d.tier == tier])
     alone = scored_summary([a.fast_text for a in answers], docs)
     summary["diffusion_field_accuracy"] = alone["field_accuracy"]
     summary["threshold_sources"] = dict(Counter(a.threshold_source for a in answers).most_common())
@@ -227,7 +226,7 @@ def run_routed_eval(config: GatewayConfig, n: int, split: str = "test", seed: in
     """`nowait eval --engine routed`: the route's metrics on n held-out documents, and its settings."""
     fast, fallback, codec = routed_engines(config, models or ModelCache())
     policy = routing_policy(config, threshold)
-    docs = tier_documents(split, n, seed=seed, tier=tier)
+    docs = documents(split, n, seed=seed, tier=tier)
     started = time.perf_counter()
     answers = route_documents(docs, codec, fast, fallback, policy, structured, on_batch)
     result = routed_metrics(answers, docs, fast.name)
