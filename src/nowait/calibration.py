@@ -159,15 +159,32 @@ def discrimination(answers: Sequence[ScoredAnswer]) -> dict[str, float | None]:
     return out
 
 
+def per_tier_figures(answers: Sequence[ScoredAnswer], tiers: Sequence[str], threshold: float) -> dict[str, dict]:
+    """For documents of several tiers: each tier's diffusion and AR accuracy and the share its
+    answers keep on diffusion at the chosen (global) threshold. The router does not know a
+    request's tier, so the threshold stays one; this shows where it keeps and where it sends."""
+    out: dict[str, dict] = {}
+    for tier in sorted(set(tiers)):
+        mine = [a for a, t in zip(answers, tiers, strict=True) if t == tier]
+        total = sum(a.fields_total for a in mine)
+        ar = (None if any(a.fallback_fields_correct is None for a in mine)
+              else _accuracy(sum(a.fallback_fields_correct for a in mine), total))  # type: ignore[misc]
+        out[tier] = {"n": len(mine), "fast_field_accuracy": _accuracy(sum(a.fields_correct for a in mine), total),
+                     "ar_field_accuracy": ar,
+                     "acceptance_rate": sum(a.confidence >= threshold for a in mine) / len(mine)}
+    return out
+
+
 def calibrate(diffusion_model, ar_model, codec, n: int = 200, split: str = "validation", structured: bool = True,
               target_field_accuracy: float | None = None, batch_size: int = 8,
-              on_batch: Callable[[int], None] | None = None) -> dict:
-    """Decode n held-out documents with the diffusion engine's defaults (and greedy AR, the
-    fallback) and choose the threshold. The target defaults to AR's field accuracy on them."""
+              on_batch: Callable[[int], None] | None = None, tier: str = "clean") -> dict:
+    """Decode n held-out documents of a corpus tier with the diffusion engine's defaults (and
+    greedy AR, the fallback) and choose the threshold. The target defaults to AR's field
+    accuracy on them."""
     from nowait.evaluation import decode_records
     from nowait.extraction.corpus import documents
 
-    docs = documents(split, n)
+    docs = documents(split, n, tier=tier)
     diffusion_model.eval()
     records = decode_records(diffusion_model, codec, "diffusion", docs, batch_size, structured=structured,
                              on_batch=on_batch)
@@ -188,8 +205,11 @@ def calibrate(diffusion_model, ar_model, codec, n: int = 200, split: str = "vali
         target_field_accuracy = ar_accuracy
     curve = acceptance_curve(answers)
     choice = choose_threshold(answers, target_field_accuracy, curve)
+    tiers = [d.tier for d in docs]
+    by_tier = {"per_tier": per_tier_figures(answers, tiers, choice.threshold)} if len(set(tiers)) > 1 else {}
     return {"confidence_threshold": choice.threshold, **{k: v for k, v in asdict(choice).items() if k != "threshold"},
-            "ar_field_accuracy": ar_accuracy, "n": n, "split": split, "structured": structured,
+            "ar_field_accuracy": ar_accuracy, "n": n, "split": split, "tier": tier, **by_tier,
+            "structured": structured,
             "confidence_kind": "min_token_probability",
             "per_kind": per_kind_thresholds(answers, target_field_accuracy if explicit_target else None),
             "discrimination": discrimination(answers),

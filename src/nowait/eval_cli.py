@@ -267,6 +267,7 @@ def calibrate(
     batch_size: int = typer.Option(8),
     write: bool = typer.Option(True, "--write/--no-write", help="write calibration.json beside the model"),
     threads: int = typer.Option(None, min=1, help="CPU threads (default: torch's choice)"),
+    tier: str = typer.Option("clean", help=TIER_HELP),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Choose the confidence threshold below which diffusion answers fall back to AR, on held-out data."""
@@ -287,6 +288,7 @@ def calibrate(
         fail("--n and --batch-size must be at least 1")
     if target is not None and not 0 < target <= 1:
         fail(f"--target must be in (0, 1], got {target}")
+    _check_tier(tier)
     if threads:
         torch.set_num_threads(threads)
     models = ModelCache()
@@ -305,7 +307,7 @@ def calibrate(
         task = progress.add_task("calibrate", total=n)
         try:
             result = run_calibration(diffusion.model, ar.model, diffusion.codec, n, split, structured, target,
-                                     batch_size, on_batch=lambda k: progress.advance(task, k))
+                                     batch_size, on_batch=lambda k: progress.advance(task, k), tier=tier)
         except ValueError as error:
             fail(str(error))
     result["model"], result["ar_model"] = str(diffusion.path), str(ar.path)
@@ -315,7 +317,8 @@ def calibrate(
         print(json.dumps(result))
         return
     console.print(f"diffusion field accuracy {result['fast_field_accuracy']:.3f}, AR {result['ar_field_accuracy']:.3f} "
-                  f"on {n} {split} documents ({'schema template' if structured else 'free-form'})", highlight=False)
+                  f"on {n} {split} documents, tier {tier} ({'schema template' if structured else 'free-form'})",
+                  highlight=False)
     if result["reached"]:
         console.print(f"threshold {result['confidence_threshold']:.4g}: {result['acceptance_rate']:.0%} of answers "
                       f"stay on diffusion at field accuracy {result['accepted_field_accuracy']:.3f} (target "
@@ -329,6 +332,10 @@ def calibrate(
                        for engine, value in result["discrimination"].items())
     console.print(f"per kind (and its schema): {kinds}; AUROC of confidence against a wrong field: {aurocs}",
                   highlight=False)
+    for name, entry in result.get("per_tier", {}).items():
+        console.print(f"tier {name}: diffusion {entry['fast_field_accuracy']:.3f}, AR "
+                      f"{entry['ar_field_accuracy']:.3f}, {entry['acceptance_rate']:.0%} kept on diffusion at the "
+                      "threshold", highlight=False)
     if write:
         console.print(f"written to {result['written_to']}; `nowait serve` uses it when routing.confidence_threshold "
                       "is not set", highlight=False)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from nowait.bench.app import bench_app
+from nowait.corpus_tiers import TIER_HELP, check_tier
 
 if TYPE_CHECKING:  # torch and the engines load when the command runs, not with the CLI
     from nowait.bench.step_floor import ForwardRecorder
@@ -328,6 +329,7 @@ def engines(
                                                        "run on the CPU only)"),
     host_budget: float = typer.Option(1.0, min=0.01, help="seconds to measure the matmul peak each entry's "
                                                           "compute floor is read against"),
+    tier: str = typer.Option("clean", help=TIER_HELP),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Latency, forwards and accuracy of AR and the diffusion configurations, same documents.
@@ -343,9 +345,11 @@ def engines(
         fail("--n must be at least 1")
     if seed is None and split not in ("validation", "test"):
         fail(f"unknown split {split!r}; choose validation or test (or give --seed)")
+    try:
+        check_tier(tier)
+    except ValueError as error:
+        fail(str(error))
     import torch
-
-    from nowait.extraction.corpus import documents
 
     if threads:
         torch.set_num_threads(threads)
@@ -362,7 +366,9 @@ def engines(
     except ValueError as error:
         fail(str(error))
     names = [name.strip() for name in only.split(",") if name.strip()] if only else list(DEFAULT_ENTRIES)
-    ctx = BenchContext(docs=documents(split, n, seed=seed),
+    from nowait.extraction.corpus import documents
+
+    ctx = BenchContext(docs=documents(split, n, seed=seed, tier=tier),
                        model_paths={"ar": ar_model, "diffusion": diffusion_model, "draft": draft_model}, device=device)
     err = Console(stderr=True)
     from nowait.bench.step_floor import matmul_peak
@@ -373,6 +379,7 @@ def engines(
                            peak_flops=peak)
     except ValueError as error:
         fail(str(error))
+    report["tier"] = tier
     report["settings"] = {"split": None if seed is not None else split, "seed": seed, "batch_size": 1,
                           "threads": torch.get_num_threads(), "device": device,
                           "models": {role: str(loaded.path) for role, loaded in ctx._loaded.items()}}
@@ -386,7 +393,7 @@ def _print_table(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"nowait bench engines (n={report['n']}, batch size 1)")
+    table = Table(title=f"nowait bench engines (n={report['n']}, tier {report['tier']}, batch size 1)")
     table.add_column("engine", no_wrap=True)
     for column in ("field acc", "doc acc", "valid", "fwd/doc", "tok/fwd", "p50 ms", "p95 ms", "step ms",
                    "floor ms", "overhead"):

@@ -24,6 +24,7 @@ import typer
 from nowait.bench.load_runner import PROFILES, RunSpec, check_rates
 from nowait.bench.load_session import DATA_CLASSES, WORKLOADS, LoadSession, LoadSettings, Progress
 from nowait.cli_errors import fail
+from nowait.corpus_tiers import TIER_HELP, check_tier
 
 
 def _names(text: str | None) -> list[str]:
@@ -123,6 +124,10 @@ def settings_from_arguments(**a) -> LoadSettings:
         fail(f"unknown data class {a['data_class']!r}; choose one of: {', '.join(DATA_CLASSES)}")
     if a["seed"] is None and a["split"] not in ("validation", "test"):
         fail(f"unknown split {a['split']!r}; choose validation or test (or give --seed)")
+    try:
+        check_tier(a["tier"])
+    except ValueError as error:
+        fail(str(error))
     if a["profile_engine"] not in ("ar", "diffusion"):
         fail(f"--profile-engine must be ar or diffusion (got {a['profile_engine']!r})")
     try:
@@ -156,7 +161,8 @@ def settings_from_arguments(**a) -> LoadSettings:
     return LoadSettings(
         base_url=base_url, models=_names(a["model"]), engines=engines, config=config, api_key=a["api_key"],
         profile=profile, rates=rates, max_concurrency=a["max_concurrency"], workload=a["workload"], kinds=kinds,
-        split=a["split"] if a["seed"] is None else None, seed=a["seed"], latency_target_ms=a["latency_target_ms"],
+        split=a["split"] if a["seed"] is None else None, seed=a["seed"], tier=a["tier"],
+        latency_target_ms=a["latency_target_ms"],
         token_value=a["token_value"], data_class=a["data_class"], max_tokens=a["max_tokens"],
         use_schema=a["schema"], system_prefix=system_prefix, stream=a["stream"], warmup=a["warmup"],
         max_requests=max_requests,
@@ -182,6 +188,7 @@ def load(
                                          "loan_application)"),
     split: str = typer.Option("test", help="corpus split (validation or test; ignored with --seed)"),
     seed: int = typer.Option(None, help="a fresh sample of the corpus, never seen in training"),
+    tier: str = typer.Option("clean", help=TIER_HELP),
     latency_target_ms: float = typer.Option(1000.0, help="the latency target (goodput) and the request's "
                                                          "x-nowait-latency-budget-ms"),
     token_value: float = typer.Option(0.5, help="x-nowait-token-value, $ per million tokens"),

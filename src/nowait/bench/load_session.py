@@ -61,6 +61,7 @@ class LoadSettings:
     kinds: tuple[str, ...] = ()
     split: str | None = "test"
     seed: int | None = None
+    tier: str = "clean"  # corpus tier (nowait.corpus_tiers)
     latency_target_ms: float = 1000.0
     token_value: float = 0.5
     data_class: str = "restricted"
@@ -174,7 +175,7 @@ class LoadSession:
 
     def documents(self) -> list[Document]:
         count = self.s.max_requests or 200
-        return corpus_documents(min(max(count, 1), 500), self.s.kinds, self.s.split, self.s.seed)
+        return corpus_documents(min(max(count, 1), 500), self.s.kinds, self.s.split, self.s.seed, self.s.tier)
 
     # --- running ---
 
@@ -216,7 +217,7 @@ class LoadSession:
 
     async def _batch(self, client: httpx.AsyncClient, base_url: str, model: str) -> None:
         count = self.s.max_requests or 32
-        docs = corpus_documents(count, self.s.kinds, self.s.split, self.s.seed)
+        docs = corpus_documents(count, self.s.kinds, self.s.split, self.s.seed, self.s.tier)
         requests = {f"doc-{i}": LoadRequest(doc, self.s.max_tokens, self.s.use_schema,
                                             system_prefix=self.s.system_prefix) for i, doc in enumerate(docs)}
         batches = BatchClient(client, base_url)
@@ -328,6 +329,7 @@ class LoadSession:
             "settings": {"profile": s.profile, "rates": s.rates, "max_requests": s.max_requests,
                          "max_seconds": s.max_seconds, "stream": s.stream, "split": s.split if s.seed is None else None,
                          "seed": s.seed, "warmup": s.warmup, "request_timeout_s": s.request_timeout_s},
+            "tier": s.tier,
             "interrupted": self.stop.is_set(),
             "runs": [r.as_dict() for r in self.results],
             "batch": self.batch,

@@ -64,7 +64,7 @@ class LoadRequest:
         return None if budget is None else budget / 1000.0
 
     def messages(self) -> list[dict[str, str]]:
-        instruction = instruction_for(self.doc.kind)
+        instruction = self.doc.instruction or instruction_for(self.doc.kind)  # a hard document's own wording
         system = f"{self.system_prefix}\n{instruction}" if self.system_prefix else instruction
         return [{"role": "system", "content": system}, {"role": "user", "content": self.doc.text}]
 
@@ -102,11 +102,11 @@ def parse_kinds(text: str | None) -> tuple[str, ...]:
 
 
 def corpus_documents(count: int, kinds: tuple[str, ...] = KINDS, split: str | None = "test",
-                     seed: int | None = None) -> list[Document]:
-    """The first `count` documents of the kinds asked for, from a split or a fresh seed's stream
-    (the corpus rotates kinds, so a single kind takes every third document)."""
+                     seed: int | None = None, tier: str = "clean") -> list[Document]:
+    """The first `count` documents of the kinds asked for, from a split or a fresh seed's stream,
+    of a corpus tier (the corpus rotates kinds, so a single kind takes every third document)."""
     per_rotation = max(1, len([k for k in KINDS if k in kinds]))
-    pool = documents(split, count * len(KINDS) // per_rotation + len(KINDS), seed=seed)
+    pool = documents(split, count * len(KINDS) // per_rotation + len(KINDS), seed=seed, tier=tier)
     chosen = [d for d in pool if d.kind in kinds]
     return chosen[:count]
 
