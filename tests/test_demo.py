@@ -51,6 +51,9 @@ def test_demo_serves_every_route_and_writes_the_report(models, tmp_path):
     assert summary["batch"]["status"] == "completed" and summary["batch"]["completed"] == 3
     assert summary["comparison"]["fast_available"] and summary["comparison"]["routed_to"] == "diffusion"
     assert {t["engine"] for t in summary["engine_totals"]} == {"ar", "spec", "diffusion"}
+    # The default share of hard-tier forms, each form counted in its tier's row.
+    assert summary["plan"]["hard_fraction"] == 0.3
+    assert sum(t["forms"] for t in summary["tiers"].values()) == routes[REALTIME]["answered"]
     assert all(t["usd_per_mtok"] > 0 for t in summary["engine_totals"])
     for name in ("report.html", "latency_over_time.png", "latency_by_route.png", "engines_over_time.png"):
         assert (tmp_path / "out" / name).stat().st_size > 0

@@ -105,6 +105,7 @@ def _apply_nowait(record: RequestRecord, info: dict | None, route: str | None) -
     if info:
         record.rule = info.get("rule")
         record.fallback = bool(info.get("fallback"))
+        record.low_confidence = bool(info.get("low_confidence"))
         record.cost_usd = info.get("cost_usd")
         record.attempts = _engine_runs(info)
 

@@ -60,6 +60,7 @@ class RequestRecord:
     engine: str | None = None  # the engine that produced the answer (x-nowait-route), when known
     rule: str | None = None  # the routing rule that decided (nowait gateway)
     fallback: bool = False
+    low_confidence: bool = False  # the gateway flagged the answer as below its engine's floor
     cost_usd: float | None = None
     attempts: tuple[EngineRun, ...] = ()
     latency_target_s: float | None = None

@@ -19,6 +19,8 @@ def demo(
                                               "the real-time route would cost there (0: never)"),
     latency_budget_ms: float = typer.Option(1000.0, help="the real-time requests' latency budget"),
     seed: int = typer.Option(2024, help="the held-out document stream (a fresh corpus seed)"),
+    hard_fraction: float = typer.Option(0.3, help="share of the real-time forms from the corpus's hard tier "
+                                                  "(scanned noise, other layouts, packets, amendments), in [0, 1]"),
     config: Path = typer.Option(None, "--config", "-c", help="a gateway config to serve instead of the demo's"),
     models: Path = typer.Option(None, "--models", help="a directory with ar/, draft/ and diffusion/ checkpoints "
                                                        "instead of the bundled models"),
@@ -45,12 +47,14 @@ def demo(
             fail(f"{flag} must be at least 0 (got {value})")
     if not latency_budget_ms > 0:
         fail(f"--latency-budget-ms must be greater than 0 (got {latency_budget_ms:g})")
+    if not 0 <= hard_fraction <= 1:
+        fail(f"--hard-fraction must be in [0, 1] (got {hard_fraction:g})")
     if config is not None and models is not None:
         fail("give --config or --models, not both (a config names its own models)")
     if models is not None and not models.is_dir():
         fail(f"--models {models}: no such directory")
     plan = DemoPlan(duration_s=duration, realtime_rate=rate, compare_every=compare_every, batch_size=batch_size,
-                    loans=loans, latency_budget_ms=latency_budget_ms, seed=seed)
+                    loans=loans, latency_budget_ms=latency_budget_ms, seed=seed, hard_fraction=hard_fraction)
     settings = DemoSettings(plan=plan, out_dir=out, config_file=config, models_dir=models, threads=threads, live=live)
     try:
         result = run_demo(settings)

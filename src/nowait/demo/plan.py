@@ -13,8 +13,10 @@ plus a comparison stream: every k-th real-time form is also sent pinned to the b
 (AR), so the demo shows what the real-time route would cost in latency and dollars on AR.
 
 Documents come from a fresh seed of the corpus (a held-out stream never seen in training) and
-keep their ground truth, so every answer is scored. All data is `restricted`: customer
-documents never leave the building.
+keep their ground truth, so every answer is scored. A share of the real-time forms
+(`hard_fraction`) comes from the corpus's hard tier (scanned noise, other layouts and wordings,
+packets, amendments: docs/corpus.md), where diffusion is less sure and the fallback works. All
+data is `restricted`: customer documents never leave the building.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from nowait.bench.load_workload import DEFAULT_MAX_TOKENS, LoadRequest, RoutingMetadata, corpus_documents
+from nowait.extraction.corpus import Document
+from nowait.tokenizer import document_prompt
 
 REALTIME, COMPARISON, BATCH, LOANS = "realtime", "realtime_on_ar", "batch", "loans"
 PAIRED = "/paired"  # label suffix of the real-time arrivals whose form is also pinned to AR
@@ -34,6 +38,11 @@ ROUTE_TITLES = {
     LOANS: "loan decisions",
 }
 ROUTES = tuple(ROUTE_TITLES)
+# A hard-tier form's prompt (instruction and document) in characters, at most: the longest
+# packets (about 1% of hard KYC forms) would leave less than the 256-token answer window of the
+# demo models' 1024 positions, and the gateway would refuse them (context_length_exceeded).
+# 1,450 characters kept every prompt within 760 bundled-tokenizer tokens on 5,000 forms.
+HARD_FORM_MAX_PROMPT_CHARS = 1450
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,7 @@ class DemoPlan:
     batch_submit_at_s: float = 1.0
     seed: int = 2024  # the fresh document stream (never seen in training)
     max_tokens: int = DEFAULT_MAX_TOKENS
+    hard_fraction: float = 0.3  # share of the real-time forms from the corpus's hard tier
 
     @property
     def batch_lines(self) -> int:
@@ -92,10 +102,33 @@ def poisson_times(rate: float, duration_s: float, seed: int) -> list[float]:
         times.append(round(now, 4))
 
 
+def fits_the_window(doc: Document) -> bool:
+    return len(document_prompt(doc)) <= HARD_FORM_MAX_PROMPT_CHARS
+
+
+def realtime_forms(count: int, hard_fraction: float, seed: int) -> list[Document]:
+    """`count` KYC forms, round(hard_fraction x count) of them hard-tier, at places drawn from
+    the seed; the clean ones are the stream's first, in order (hard_fraction 0: the forms of
+    every earlier demo), the hard ones the hard stream's first that fit the answer window."""
+    hard_count = round(hard_fraction * count)
+    clean = corpus_documents(count - hard_count, ("kyc",), None, seed) if count > hard_count else []
+    hard: list[Document] = []
+    drawn = hard_count
+    while len(hard) < hard_count:
+        hard = [d for d in corpus_documents(drawn, ("kyc",), None, seed, tier="hard") if fits_the_window(d)]
+        drawn += hard_count - len(hard)
+    hard = hard[:hard_count]
+    places = set(np.random.default_rng(seed + 3).permutation(count)[:hard_count].tolist())
+    forms, clean_left, hard_left = [], iter(clean), iter(hard)
+    for index in range(count):
+        forms.append(next(hard_left) if index in places else next(clean_left))
+    return forms
+
+
 def schedule(plan: DemoPlan, router_model: str, ar_model: str) -> tuple[list[Arrival], list[LoadRequest]]:
     """The interactive arrivals in time order, and the batch's requests."""
     times = poisson_times(plan.realtime_rate, plan.duration_s, plan.seed) if plan.realtime_rate > 0 else []
-    kyc = corpus_documents(max(1, len(times)), ("kyc",), None, plan.seed)
+    kyc = realtime_forms(max(1, len(times)), plan.hard_fraction, plan.seed)
     loans = corpus_documents(max(1, plan.loans), ("loan_application",), None, plan.seed + 1)
     letters = corpus_documents(plan.batch_lines, ("letter_of_credit",), None, plan.seed + 2)
     arrivals: list[Arrival] = []

@@ -38,6 +38,7 @@ def summary_dict(board: Scoreboard, totals: list[EngineTotals], plan: DemoPlan, 
                   "completed": board.batch.completed, "failed": board.batch.failed, "wall_s": board.batch.wall_s,
                   "error": board.batch.error},
         "comparison": board.comparison(),
+        "tiers": {t.tier: t.as_dict() for t in board.tier_stats()},
         "engine_totals": [t.as_dict() for t in totals],
         "output_tokens_per_s": board.output_tokens_per_s(),
     }
@@ -145,6 +146,13 @@ def write_report(board: Scoreboard, totals: list[EngineTotals], plan: DemoPlan, 
             _cell(t["node_usd_per_hour"], "{:.2f}"), _cell(t["spent_usd"], "{:.2e}"),
             _cell(t["usd_per_mtok"], "{:.2f}"))) + "</tr>"
         for t in summary["engine_totals"])
+    tier_rows = "".join(
+        "<tr>" + "".join(f"<td>{c}</td>" for c in (
+            html.escape(name), t["forms"], _cell(t["routed_field_accuracy"], "{:.3f}"),
+            _cell(t["ar_field_accuracy"], "{:.3f}"), t["ar_forms"], _cell(t["fallback_rate"], "{:.0%}"),
+            _cell(t["routed_usd_per_request"], "{:.2e}"), _cell(t["ar_usd_per_request"], "{:.2e}"),
+            _cell(t["routed_p50_ms"], "{:.0f}"), _cell(t["ar_p50_ms"], "{:.0f}"), t["low_confidence_flags"]))
+        + "</tr>" for name, t in summary["tiers"].items())
     comparison = html.escape(comparison_sentence(summary["comparison"])[0])
     if summary["comparison"] and not summary["comparison"]["fast_available"]:
         comparison += " Train the diffusion model (<code>nowait train diffusion</code>) to see the full rule."
@@ -165,6 +173,14 @@ td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}img{{max-width:10
 <table><tr><th>route</th><th>sent</th><th>answered</th><th>errors</th><th>engine</th><th>rule</th><th>p50 ms</th>
 <th>p99 ms</th><th>fallback</th><th>field accuracy</th><th>$ / request</th></tr>{route_rows}</table>
 <p>{comparison}</p>
+<h2>Real-time KYC per corpus tier</h2>
+<p>{plan.hard_fraction:.0%} of the real-time forms are hard-tier documents (<code>--hard-fraction</code>). Routed:
+every form of the tier; AR: the same tier's forms also sent pinned to AR. $ / request folds in the fallbacks' AR
+runs (the ledger charges both); low-confidence flags: answers the gateway returned with
+<code>nowait.low_confidence</code>.</p>
+<table><tr><th>tier</th><th>forms</th><th>routed field acc</th><th>AR field acc</th><th>AR forms</th>
+<th>fallback</th><th>routed $ / request</th><th>AR $ / request</th><th>routed p50 ms</th><th>AR p50 ms</th>
+<th>low-confidence flags</th></tr>{tier_rows}</table>
 <p>Batch {_cell(b['batch_id'])}: {_cell(b['status'])}, {b['completed']}/{b['lines']} lines answered,
 {b['failed']} failed, wall time {_cell(b['wall_s'], '{:.1f}')} s.</p>
 <h2>Engines over the whole run (from the ledger)</h2>

@@ -5,7 +5,9 @@ errors, p50/p99 end-to-end latency as the client saw it, the engines that answer
 rule, the fallback rate (answers the gateway re-ran on AR), field accuracy against the ground
 truth and the mean cost per request from the gateway's ledger (`nowait.cost_usd`). The batch's
 lines have no client-side latency of their own: their percentiles are None and the batch's wall
-time is `BatchState.wall_s`.
+time is `BatchState.wall_s`. Per corpus tier (clean, hard), the real-time route against the same
+tier's forms pinned to AR: accuracy, fallback rate, $ per request (the fallbacks' AR run
+included: the ledger charges both) and the answers flagged below their engine's floor.
 """
 
 from __future__ import annotations
@@ -58,9 +60,29 @@ class RouteStats:
 
 
 @dataclass
+class TierStats:
+    """One corpus tier of the real-time forms: routed, and the same tier's forms pinned to AR."""
+
+    tier: str
+    routed: RouteStats
+    pinned: RouteStats
+    low_confidence: int  # routed answers the gateway flagged below their engine's floor
+    pinned_low_confidence: int
+
+    def as_dict(self) -> dict:
+        r, p = self.routed, self.pinned
+        return {"forms": r.answered, "errors": r.errors, "routed_field_accuracy": r.field_accuracy,
+                "ar_field_accuracy": p.field_accuracy, "ar_forms": p.answered, "fallback_rate": r.fallback_rate,
+                "routed_usd_per_request": r.usd_per_request, "ar_usd_per_request": p.usd_per_request,
+                "routed_p50_ms": r.p50_ms, "ar_p50_ms": p.p50_ms, "low_confidence_flags": self.low_confidence,
+                "ar_low_confidence_flags": self.pinned_low_confidence}
+
+
+@dataclass
 class Scoreboard:
     started: bool = False
     records: dict[str, list[RequestRecord]] = field(default_factory=lambda: {r: [] for r in ROUTES})
+    by_tier: dict[str, dict[str, list[RequestRecord]]] = field(default_factory=dict)  # route -> tier -> records
     sent: Counter = field(default_factory=Counter)
     batch: BatchState = field(default_factory=BatchState)
     snapshots: list[Snapshot] = field(default_factory=list)
@@ -68,8 +90,21 @@ class Scoreboard:
     elapsed_s: float = 0.0
     phase: str = "starting"
 
-    def add(self, route: str, record: RequestRecord) -> None:
+    def add(self, route: str, record: RequestRecord, tier: str = "clean") -> None:
         self.records[route].append(record)
+        self.by_tier.setdefault(route, {}).setdefault(tier, []).append(record)
+
+    def tier_stats(self) -> list[TierStats]:
+        """Per tier of the real-time forms (clean first), once that tier has answers."""
+        tiers = sorted(self.by_tier.get(REALTIME, {}))
+        out = []
+        for tier in tiers:
+            routed = self.by_tier[REALTIME][tier]
+            pinned = self.by_tier.get(COMPARISON, {}).get(tier, [])
+            out.append(TierStats(tier, self.route_stats(REALTIME, routed), self.route_stats(COMPARISON, pinned),
+                                 sum(r.ok and r.low_confidence for r in routed),
+                                 sum(r.ok and r.low_confidence for r in pinned)))
+        return out
 
     @property
     def latest(self) -> Snapshot | None:

@@ -58,12 +58,12 @@ class DemoTraffic:
 
     async def _arrivals(self, client: httpx.AsyncClient, stop: asyncio.Event) -> None:
         board = self.board
-        in_flight: dict[asyncio.Task, str] = {}
+        in_flight: dict[asyncio.Task, Arrival] = {}
 
         def answered(task: asyncio.Task) -> None:
-            route = in_flight.pop(task, None)
-            if route is not None and not task.cancelled() and task.exception() is None:
-                board.add(route, task.result())
+            arrival = in_flight.pop(task, None)
+            if arrival is not None and not task.cancelled() and task.exception() is None:
+                board.add(arrival.route, task.result(), arrival.request.doc.tier)
 
         for arrival in self.arrivals:
             await self._sleep_until(arrival.at_s, stop)
@@ -72,18 +72,19 @@ class DemoTraffic:
             board.sent[arrival.route] += 1
             task = asyncio.ensure_future(complete_chat(client, self.base_url, arrival.request, arrival.model, self.t0,
                                                        REQUEST_TIMEOUT_S, label=arrival.label))
-            in_flight[task] = arrival.route
+            in_flight[task] = arrival
             task.add_done_callback(answered)
         while in_flight and not stop.is_set() and time.perf_counter() < self.drain_deadline:
             await asyncio.wait(set(in_flight), timeout=0.2)
-        for task, route in list(in_flight.items()):
+        for task, arrival in list(in_flight.items()):
             if task.done():  # answered at the deadline: its done callback records it
                 continue
             task.cancel()
             if not stop.is_set():  # still unanswered after the drain: the demo failed to serve it
+                route = arrival.route
                 board.add(route, RequestRecord(target=route, sent_s=0.0, done_s=self.now(), status=0,
                                                error=f"unanswered {self.drain_s:.0f} s after the demo ended",
-                                               label=route))
+                                               label=route), arrival.request.doc.tier)
         if in_flight:
             await asyncio.gather(*in_flight, return_exceptions=True)
 

@@ -71,6 +71,26 @@ def routes_table(board: Scoreboard, title: str = "requests per route") -> Table:
     return table
 
 
+def tiers_table(board: Scoreboard, title: str = "real-time KYC per corpus tier (AR: the same tier's forms "
+                                                  "pinned to AR)") -> Table | Text:
+    """Routed against pinned AR per tier: accuracy, fallback, $ per request with the fallbacks'
+    AR runs folded in, latency and the low-confidence flags."""
+    stats = board.tier_stats()
+    if not stats:
+        return Text("real-time KYC per corpus tier: waiting for answers", style="dim")
+    table = Table(title=title, title_justify="left")
+    for column in ("tier", "forms", "routed acc", "AR acc", "fallback", "routed $/req", "AR $/req", "routed p50",
+                   "AR p50", "low-conf flags"):
+        table.add_column(column, justify="left" if column == "tier" else "right")
+    for t in stats:
+        r, p = t.routed, t.pinned
+        table.add_row(t.tier, str(r.answered), _num(r.field_accuracy, "{:.3f}"), _num(p.field_accuracy, "{:.3f}"),
+                      _num(r.fallback_rate, "{:.0%}"), _usd(r.usd_per_request), _usd(p.usd_per_request),
+                      _num(r.p50_ms), _num(p.p50_ms),
+                      Text(f"{t.low_confidence}", style="bold yellow" if t.low_confidence else ""))
+    return table
+
+
 def engines_table(engines: dict[str, EngineGauges], title: str) -> Table:
     table = Table(title=title, title_justify="left")
     for column in ("engine", "kind", "running", "waiting", "tok/s busy", "utilization", "$/Mtok",
@@ -130,7 +150,7 @@ def live_view(board: Scoreboard, plan: DemoPlan) -> Group:
     engines = engines_table(snapshot.engines if snapshot else {}, "engines (live, last metrics window)")
     tokens = Text(f"output: {board.output_tokens_per_s():.0f} tok/s across routes", style="dim")
     return Group(header, availability(board), routes_table(board), batch_text(board), comparison_text(board),
-                 engines, tokens)
+                 tiers_table(board), engines, tokens)
 
 
 def totals_table(totals: list[EngineTotals], wall_s: float) -> Table:
@@ -147,7 +167,9 @@ def totals_table(totals: list[EngineTotals], wall_s: float) -> Table:
 
 def summary_view(board: Scoreboard, totals: list[EngineTotals], verdict: list[str], report: str | None) -> Group:
     parts = [availability(board), routes_table(board, f"summary: requests per route ({board.elapsed_s:.0f} s)"),
-             batch_text(board), comparison_text(board), totals_table(totals, board.elapsed_s)]
+             batch_text(board), comparison_text(board), tiers_table(board, "summary: real-time KYC per corpus tier "
+                                                                           "(AR: the same tier's forms pinned to AR)"),
+             totals_table(totals, board.elapsed_s)]
     parts += [Text(line, style="bold green" if line.startswith("ok") else "bold red") for line in verdict]
     if report:
         parts.append(Text(f"report: {report}", style="bold"))
