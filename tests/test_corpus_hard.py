@@ -197,8 +197,9 @@ def test_an_amendment_states_the_corrected_value_after_the_form(hard_docs):
     assert amended
     for d in amended:
         text = restore_digits(d.text)
-        tail = text[max(text.rfind("AMENDMENT"), text.rfind("Correction ("), text.rfind("Amended on"),
-                        text.rfind("CORRECTIONS")):]
+        marker = max(text.rfind(m) for m in ("AMENDMENT", "Correction (", "Amended on", "Change log", "CORRECTIONS"))
+        assert marker > 0, d.text
+        tail = text[marker:]
         assert any(v is not None and k not in ("account_type", "purpose", "employment_status", "incoterm")
                    and recoverable(k, v, tail) for k, v in d.fields.items()), d.text
 

@@ -21,7 +21,9 @@ LAYOUT_FAMILIES = {"table": "table_transposed", "two_column": "two_column_stacke
                    "letter": "letter_third_person", "packet": "packet_email", "amendment": "amendment_table"}
 TRAIN_LAYOUTS = tuple(LAYOUT_FAMILIES)
 HELD_OUT_LAYOUTS = tuple(LAYOUT_FAMILIES.values())
-POSITIONAL_LAYOUTS = ("table_transposed", "two_column_stacked")  # a value row under its label row
+# Layouts where a value's line may sit under its label's: no stray marks there (a line of marks would part
+# the two, and a mark before a value line would read as part of the value).
+POSITIONAL_LAYOUTS = ("table", "two_column", "table_transposed", "two_column_stacked")
 HELD_OUT_SHARE = 0.4  # of the test split's and fresh seeds' hard documents
 MAX_GAP = 8  # spaces between columns at most (each space is about one token of the prompt)
 
@@ -32,10 +34,24 @@ def _pad(cell: str, width: int) -> str:
 
 
 def _table(items: list[tuple[str, str]], rng: random.Random) -> list[str]:
-    if rng.random() < 0.5:
+    roll = rng.random()
+    if roll < 0.4:
         return ["| Field | Details |", "|---|---|"] + [f"| {label} | {value} |" for label, value in items]
-    width = max(len(label) for label, _ in items) + 3
-    return [_pad(label, width) + value for label, value in items]
+    if roll < 0.75:
+        width = max(len(label) for label, _ in items) + 3
+        return [_pad(label, width) + value for label, value in items]
+    return _header_rows(items, rng)
+
+
+def _header_rows(items: list[tuple[str, str]], rng: random.Random) -> list[str]:
+    """A spreadsheet export: a row of labels over a row of values, 4 to a row, `;` or tab between.
+    (The held-out `table_transposed` draws such rows with pipes, 3 to a row, and other labels.)"""
+    separator = rng.choice(["; ", "\t"])
+    lines = []
+    for at in range(0, len(items), 4):
+        chunk = items[at: at + 4]
+        lines += [separator.join(label for label, _ in chunk), separator.join(value for _, value in chunk)]
+    return lines
 
 
 def _table_transposed(items: list[tuple[str, str]], rng: random.Random) -> list[str]:
@@ -48,6 +64,8 @@ def _table_transposed(items: list[tuple[str, str]], rng: random.Random) -> list[
 
 
 def _two_column(items: list[tuple[str, str]], rng: random.Random) -> list[str]:
+    if rng.random() < 0.25:  # the form read down one column: each label on a line above its value
+        return [line for label, value in items for line in (label, value)]
     cells = [f"{label}: {value}" for label, value in items]
     left, right = cells[: (len(cells) + 1) // 2], cells[(len(cells) + 1) // 2:]
     width = max(len(c) for c in left) + 4
@@ -99,12 +117,14 @@ def _later(rng: random.Random) -> str:
 
 
 def _amendment(d: Draft, rng: random.Random, body: list[str]) -> list[str]:
-    _, label, text = d.amended or ("", "", "")
+    key, label, text = d.amended or ("", "", "")
     form_date = hard_date(rng, 2024, 2025)[0]
     note = rng.choice(["AMENDMENT No. 1 dated {date}: {label} amended to read: {value}",
                        "Correction ({date}): the {label} stated above is wrong; the correct {label} is {value}",
-                       "Amended on {date} - {label}: {value} (supersedes the value above)"])
-    return [f"Form date: {form_date}", *body, "", note.format(date=_later(rng), label=label.lower(), value=text)]
+                       "Amended on {date} - {label}: {value} (supersedes the value above)",
+                       "Change log {date}: {label}: {old} -> {value}"])
+    return [f"Form date: {form_date}", *body, "",
+            note.format(date=_later(rng), label=label.lower(), value=text, old=d.written[key])]
 
 
 def _amendment_table(d: Draft, rng: random.Random, body: list[str]) -> list[str]:
@@ -145,5 +165,6 @@ def render_hard(kind: str, rng: random.Random, held_out: bool) -> tuple[str, dic
     family = rng.choice(TRAIN_LAYOUTS)
     layout = LAYOUT_FAMILIES[family] if held_out else family
     d = draft(kind, rng, held_out, amend=family == "amendment")
-    lines = stray_marks(layout_lines(d, layout, rng), rng, own_lines=layout not in POSITIONAL_LAYOUTS)
+    lines = layout_lines(d, layout, rng)
+    lines = lines if layout in POSITIONAL_LAYOUTS else stray_marks(lines, rng)
     return "\n".join(lines).strip(), d.fields, layout

@@ -19,25 +19,31 @@ if TYPE_CHECKING:
 # kind -> (opening with the keys it names, {key: sentences}); first person (training).
 FIRST_PERSON: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     "kyc": ("I, {full_name}, born on {date_of_birth}, hereby apply to open a {account_type} with your bank.", {
-        "nationality": ("My nationality is {v}.", "Nationality as per my passport: {v}."),
-        "id_number": ("My passport number is {v}.", "My identity document number is {v}."),
-        "phone": ("You can reach me on {v}.", "My mobile number is {v}."),
-        "email": ("My e-mail address is {v}.", "Please write to me at {v}."),
-        "occupation": ("My occupation is {v}.", "By profession I am: {v}."),
+        "nationality": ("My nationality is {v}.", "Nationality as per my passport: {v}.",
+                        "I am a citizen of {v}."),
+        "id_number": ("My passport number is {v}.", "My identity document number is {v}.",
+                      "I enclose a copy of my passport, number {v}."),
+        "phone": ("You can reach me on {v}.", "My mobile number is {v}.", "Please call me on {v} if needed."),
+        "email": ("My e-mail address is {v}.", "Please write to me at {v}.", "Statements may be e-mailed to {v}."),
+        "occupation": ("My occupation is {v}.", "By profession I am: {v}.", "I am employed as: {v}."),
     }),
     "letter_of_credit": ("We hereby issue our irrevocable documentary credit No. {lc_number} dated {issue_date} "
                          "by order of {applicant} in favour of {beneficiary} for {amount}.", {
-        "expiry_date": ("This credit expires on {v}.", "The credit is valid until {v}."),
-        "port_of_loading": ("Shipment is to be made from {v}.", "Goods are to be loaded at {v}."),
-        "incoterm": ("Price terms: {v}.", "The goods are sold {v}."),
-        "issuing_bank": ("For and on behalf of {v}.", "Issued by {v}."),
+        "expiry_date": ("This credit expires on {v}.", "The credit is valid until {v}.",
+                        "Documents must be presented no later than {v}, when this credit expires."),
+        "port_of_loading": ("Shipment is to be made from {v}.", "Goods are to be loaded at {v}.",
+                            "The port of loading is {v}."),
+        "incoterm": ("Price terms: {v}.", "The goods are sold {v}.", "Delivery is on {v} terms."),
+        "issuing_bank": ("For and on behalf of {v}.", "Issued by {v}.", "We, {v}, undertake to honour it."),
     }),
     "loan_application": ("I, {applicant_name}, apply for a loan of {loan_amount} to be repaid over {term_months}.", {
-        "purpose": ("The loan is for {v}.", "I need the funds for {v}."),
-        "employment_status": ("I am {v}.", "At present I am {v}."),
-        "annual_income": ("My gross annual income is {v}.", "I earn {v} a year before tax."),
-        "co_applicant": ("My spouse, {v}, joins this application as co-applicant.",),
-        "application_date": ("I sign this application on {v}.",),
+        "purpose": ("The loan is for {v}.", "I need the funds for {v}.", "I intend to use the money for {v}."),
+        "employment_status": ("I am {v}.", "At present I am {v}.", "Regarding employment, I am {v}."),
+        "annual_income": ("My gross annual income is {v}.", "I earn {v} a year before tax.",
+                          "My income per year is {v}."),
+        "co_applicant": ("My spouse, {v}, joins this application as co-applicant.",
+                         "{v} will be my co-applicant."),
+        "application_date": ("I sign this application on {v}.", "This application is dated {v}."),
     }),
 }
 

@@ -53,12 +53,11 @@ def restore_digits(text: str) -> str:
     return "".join(chars)
 
 
-def stray_marks(lines: list[str], rng: random.Random, rate: float = 0.15, own_lines: bool = True) -> list[str]:
-    """Scanner debris: a few lines of marks, and marks before some lines (never inside one).
-    `own_lines=False` where a line's meaning is its position (a value row under its label row)."""
+def stray_marks(lines: list[str], rng: random.Random, rate: float = 0.15) -> list[str]:
+    """Scanner debris: a few lines of marks, and marks before some lines (never inside one)."""
     out = []
     for line in lines:
-        if rng.random() < rate / 2 and own_lines:
+        if rng.random() < rate / 2:
             out.append(rng.choice(STRAY_LINES))
         out.append(rng.choice(STRAY_PREFIXES) + line if line and rng.random() < rate / 2 else line)
     return out
