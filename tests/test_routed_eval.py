@@ -48,7 +48,7 @@ def engines(docs, fast_confidence=0.95, fallback_confidence=0.99, fast_text=None
 def routed(docs, codec, policy, structured=False, **stand_ins):
     fast, fallback, fast_engine, fallback_engine = engines(docs, **stand_ins)
     answers = route_documents(docs, codec, fast, fallback, policy, structured)
-    return routed_metrics(answers, docs, "diffusion"), fast_engine, fallback_engine
+    return routed_metrics(answers, docs), fast_engine, fallback_engine
 
 
 def test_a_threshold_under_every_confidence_keeps_every_answer_on_diffusion(codec):

@@ -128,7 +128,7 @@ def _percentile(values: list[float], q: float) -> float:
     return round(float(np.percentile(values, q)), 2) if values else 0.0
 
 
-def route_figures(answers: list[RoutedAnswer], fast_engine: str) -> dict:
+def route_figures(answers: list[RoutedAnswer]) -> dict:
     """The route's own figures over some answers: how many stayed on the fast engine, their
     latency, their cost per request and the low-confidence flags."""
     n = len(answers)
@@ -150,19 +150,18 @@ def route_figures(answers: list[RoutedAnswer], fast_engine: str) -> dict:
         "answered_by": dict(Counter(a.engine for a in answers).most_common()),
         "low_confidence_flags": sum(a.low_confidence for a in answers),
         "forwards_per_doc": round(sum(a.forwards for a in answers) / n, 2) if n else 0.0,
-        "fast_engine": fast_engine,
     }
 
 
-def routed_metrics(answers: list[RoutedAnswer], docs: list[Document], fast_engine: str) -> dict:
+def routed_metrics(answers: list[RoutedAnswer], docs: list[Document]) -> dict:
     """The scorer's summary of the answers kept, with the route's figures beside it, per kind
     and (documents of several tiers) per tier; plus the fast engine's accuracy on its own."""
     summary = scored_summary([a.text for a in answers], docs)
 
     def add(target: dict, chosen: list[int]) -> None:
-        target.update(route_figures([answers[i] for i in chosen], fast_engine))
+        target.update(route_figures([answers[i] for i in chosen]))
         for kind, entry in target.get("per_kind", {}).items():
-            entry.update(route_figures([answers[i] for i in chosen if docs[i].kind == kind], fast_engine))
+            entry.update(route_figures([answers[i] for i in chosen if docs[i].kind == kind]))
 
     add(summary, list(range(len(docs))))
     for tier, entry in summary.get("per_tier", {}).items():
@@ -229,7 +228,7 @@ def run_routed_eval(config: GatewayConfig, n: int, split: str = "test", seed: in
     docs = documents(split, n, seed=seed, tier=tier)
     started = time.perf_counter()
     answers = route_documents(docs, codec, fast, fallback, policy, structured, on_batch)
-    result = routed_metrics(answers, docs, fast.name)
+    result = routed_metrics(answers, docs)
     result["tier"], result["elapsed_s"] = tier, round(time.perf_counter() - started, 2)
     threshold_source = ("--threshold" if threshold is not None else config.confidence_threshold()[1])
     diffusion_options = getattr(fast.engine, "options", None)
