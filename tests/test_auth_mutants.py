@@ -21,12 +21,14 @@ class FakeKeyStore:
     def __init__(self, records: dict[str, KeyRecord] | None = None) -> None:
         self.records = records or {}
         self.asked: list[str] = []
+        self.asked_any = 0
 
     def find(self, secret: str) -> KeyRecord | None:
         self.asked.append(secret)
         return self.records.get(secret)
 
     def any_keys(self) -> bool:
+        self.asked_any += 1
         return bool(self.records)
 
 
@@ -66,6 +68,19 @@ def test_a_store_key_is_its_tenant_with_what_it_allows():
     assert caller == stored.caller() and caller.tenant == "team-a" and caller.key_id == "key_1"
     assert store.asked == [SECRET]
     assert auth.authenticate("/v1/models", b"bearer   " + SECRET.encode() + b"  ") == stored.caller()
+
+
+def test_a_found_store_key_is_looked_up_once_and_the_store_not_asked_whether_it_holds_any():
+    auth, store = authenticator(records={SECRET: record(), "nw-revoked": record(id="key_2", revoked_at=5)})
+    assert auth.authenticate("/v1/models", f"Bearer {SECRET}".encode()).key_id == "key_1"
+    assert store.asked == [SECRET] and store.asked_any == 0  # found: the server cannot be open
+    error = rejected(auth.authenticate, "/v1/models", b"Bearer nw-revoked")
+    assert error.message == "API key key_2 has been revoked" and store.asked == [SECRET, "nw-revoked"]
+    rejected(auth.authenticate, "/v1/models", b"Bearer nw-unknown")  # not found: is the server open?
+    assert store.asked_any == 1
+    open_server, empty = authenticator()
+    assert open_server.authenticate("/v1/models", b"Bearer nw-anything") is DEFAULT_CALLER
+    assert empty.asked == ["nw-anything"] and empty.asked_any == 1
 
 
 def test_revoked_and_expired_store_keys_are_401_naming_the_key():

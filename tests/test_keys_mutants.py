@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+import sqlite3
 import threading
 import time
 
@@ -18,6 +19,7 @@ from nowait.gateway.keys import KeyRecord, KeySettings, SqliteKeyStore, SqlKeySt
 from nowait.router import DataClass
 from nowait.store.database import SqliteDatabase, StoreUnavailable
 from nowait.store.url import StoreError
+from nowait.store.wal_header import HEADER_BYTES, WalHeader
 from tests.store_support import postgres_like_sqlite
 
 NOW = 1_000_000
@@ -340,3 +342,73 @@ def test_an_outage_before_any_read_serves_nothing(store, monkeypatch):
         store.any_keys()  # never answered: no last answer to serve
     store.close()
     assert wait_for(lambda: not probe_threads())
+
+
+# --- the change check without a statement (store/wal_header.py) ---
+
+
+def test_the_wal_header_moves_with_every_commit_of_any_connection(tmp_path):
+    database = SqliteDatabase(tmp_path / "k.sqlite")
+    database.transaction(lambda s: s.execute("CREATE TABLE t (x)"))
+    header = WalHeader(tmp_path / "k.sqlite")
+    seen = header.read()
+    assert seen is not None and len(seen) == HEADER_BYTES
+    assert header.read() == seen  # nothing committed since
+    other = sqlite3.connect(tmp_path / "k.sqlite")
+    for value in range(3):  # each commit of another connection, and of the database's own
+        other.execute("INSERT INTO t VALUES (?)", (value,))
+        other.commit()
+        assert header.read() != seen
+        seen = header.read()
+        database.transaction(lambda s: s.execute("INSERT INTO t VALUES (9)"))
+        assert header.read() != seen
+        seen = header.read()
+    other.close()
+    header.close()
+    assert header.read() is None
+    database.close()
+    assert WalHeader(tmp_path / "none.sqlite").read() is None  # no -shm file: nothing to read
+
+
+class CountedStatements:
+    """The statements a store's database runs, by their first word."""
+
+    def __init__(self, store: SqlKeyStore, monkeypatch) -> None:
+        self.run: list[str] = []
+        query = store.database.query
+        monkeypatch.setattr(store.database, "query", lambda sql, args=(): self.run.append(sql.split()[0])
+                            or query(sql, args))
+
+
+def test_while_the_wal_header_stays_the_same_a_lookup_runs_no_statement(tmp_path, monkeypatch):
+    clock = Monotonic(monkeypatch)
+    server = SqliteKeyStore(tmp_path / "keys.sqlite")
+    command = SqliteKeyStore(tmp_path / "keys.sqlite")
+    secret, record = command.create(KeySettings(tenant="t"))
+    statements = CountedStatements(server, monkeypatch)
+    assert server.find(secret) == record and statements.run == ["PRAGMA", "SELECT"]
+    assert server.find(secret) == record and server.any_keys()
+    assert statements.run == ["PRAGMA", "SELECT", "SELECT"]  # any_keys' first read; no version asked
+    clock.t += keys.FIND_CACHE_S
+    assert server.find(secret) == record
+    assert statements.run[3:] == ["SELECT"]  # the age bound still holds; the header said unchanged
+    command.revoke(record.id)  # another connection commits: the header moves
+    assert server.find(secret).revoked_at is not None
+    assert statements.run[4:] == ["PRAGMA", "SELECT"]
+    server.close()
+    command.close()
+
+
+def test_without_a_wal_header_every_lookup_asks_the_version(tmp_path, monkeypatch):
+    Monotonic(monkeypatch)
+    server = SqliteKeyStore(tmp_path / "keys.sqlite")
+    command = SqliteKeyStore(tmp_path / "keys.sqlite")
+    secret, record = command.create(KeySettings(tenant="t"))
+    monkeypatch.setattr(server._wal, "read", lambda: None)  # e.g. a system without mmap
+    statements = CountedStatements(server, monkeypatch)
+    assert server.find(secret) == record and server.find(secret) == record
+    assert statements.run == ["PRAGMA", "SELECT", "PRAGMA"]
+    command.revoke(record.id)
+    assert server.find(secret).revoked_at is not None
+    server.close()
+    command.close()

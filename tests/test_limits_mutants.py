@@ -6,6 +6,7 @@ mutmut's survivors (docs/testing.md)."""
 from __future__ import annotations
 
 import time
+from datetime import date, datetime, timezone
 
 import pytest
 
@@ -31,8 +32,10 @@ def test_a_utc_day_ends_at_midnight_utc_whatever_the_local_zone(monkeypatch):
     monkeypatch.setenv("TZ", "Asia/Tokyo")
     time.tzset()
     try:
-        assert utc_day(0) == "1970-01-01" and utc_day(DAY - 3600) == "1970-01-01"  # 08:00 the next day in Tokyo
-        assert utc_day(DAY) == "1970-01-02"
+        assert utc_day(0) == 0 and utc_day(DAY - 3600) == 0  # 08:00 the next day in Tokyo
+        assert utc_day(DAY) == 1
+        noon = datetime(2026, 12, 2, 12, tzinfo=timezone.utc).timestamp()
+        assert utc_day(noon) == (date(2026, 12, 2) - date(1970, 1, 1)).days
     finally:
         monkeypatch.delenv("TZ")
         time.tzset()
@@ -167,9 +170,13 @@ def test_answered_headers_show_what_is_left():
     limits = TenantLimits(clock)
     assert limits.headers(Caller(tenant="team", budget_usd_per_day=5.0)) == {}
     caller = Caller(tenant="team", key_id="k", requests_per_minute=5, tokens_per_minute=10)
-    limits.admit(caller)
-    limits.admit(caller)
-    limits.charge(caller, 25, 0.0)
+    # admit gives the answer's headers as of its admission: this request counted, its tokens not yet.
+    assert limits.admit(caller) == {"x-ratelimit-limit-requests": "5", "x-ratelimit-remaining-requests": "4",
+                                    "x-ratelimit-limit-tokens": "10", "x-ratelimit-remaining-tokens": "10"}
+    limits.charge(caller, 4, 0.0)
+    assert limits.admit(caller)["x-ratelimit-remaining-tokens"] == "6"
+    assert limits.admit(Caller(tenant="team", budget_usd_per_day=5.0)) == {}  # limited, but by no rate
+    limits.charge(caller, 21, 0.0)
     assert limits.headers(caller) == {"x-ratelimit-limit-requests": "5", "x-ratelimit-remaining-requests": "3",
                                       "x-ratelimit-limit-tokens": "10", "x-ratelimit-remaining-tokens": "0"}
     clock.advance(WINDOW_S)

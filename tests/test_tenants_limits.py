@@ -123,6 +123,7 @@ def test_tokens_per_minute_count_the_answered_requests_tokens(setup):
     key = create_key(server, "teamTokens", tokens_per_minute=1)["key"]
     answered = chat(server, key)
     assert answered.status_code == 200  # the window was empty: admitted
+    assert answered.headers["x-ratelimit-remaining-tokens"] == "1"  # as of its admission, as OpenAI's
     used = answered.json()["usage"]["total_tokens"]
     assert used > 1
     refused = chat(server, key)

@@ -19,11 +19,12 @@ import time
 from collections.abc import Callable
 
 from nowait.gateway.errors import APIError, store_unavailable
-from nowait.gateway.keys import KEY_PREFIX, KeyStore
+from nowait.gateway.keys import KEY_PREFIX, KeyRecord, KeyStore
 from nowait.gateway.tenants import DEFAULT_CALLER, Caller
 from nowait.store.database import StoreUnavailable
 
 ADMIN_PREFIX = "/admin/"
+KEY_PREFIX_BYTES = KEY_PREFIX.encode()
 
 
 def unauthorized(message: str) -> APIError:
@@ -66,20 +67,26 @@ class Authenticator:
             raise unauthorized("Incorrect or missing admin key: /admin needs `Authorization: Bearer <admin key>` "
                                "with a key of NOWAIT_ADMIN_KEYS / auth.admin_keys")
 
-    def caller(self, token: bytes) -> Caller:
-        """The caller a /v1 key stands for, or a 401 that says only what the client may know."""
-        if token.startswith(KEY_PREFIX.encode()):
-            try:
-                secret = token.decode("ascii")
-            except UnicodeDecodeError:
-                secret = ""
-            record = self.store.find(secret) if secret else None
-            if record is not None:
-                if record.revoked_at is not None:
-                    raise unauthorized(f"API key {record.id} has been revoked")
-                if not record.usable_at(self.clock()):
-                    raise unauthorized(f"API key {record.id} has expired")
-                return record.caller()
+    def record(self, token: bytes) -> KeyRecord | None:
+        """The store's record of a `nw-` key (revoked and expired ones included), else None."""
+        if not token.startswith(KEY_PREFIX_BYTES):
+            return None
+        try:
+            secret = token.decode("ascii")
+        except UnicodeDecodeError:
+            return None
+        return self.store.find(secret) if secret else None
+
+    def caller(self, token: bytes, record: KeyRecord | None = None) -> Caller:
+        """The caller a /v1 key stands for, or a 401 that says only what the client may know;
+        `record` is the store's for this token when the caller has already looked it up."""
+        record = record if record is not None else self.record(token)
+        if record is not None:
+            if record.revoked_at is not None:
+                raise unauthorized(f"API key {record.id} has been revoked")
+            if not record.usable_at(self.clock()):
+                raise unauthorized(f"API key {record.id} has expired")
+            return record.caller()
         if token and _matches(token, self.api_keys):
             return DEFAULT_CALLER
         raise unauthorized("Incorrect or missing API key: send `Authorization: Bearer <key>` with a key "
@@ -95,8 +102,11 @@ class Authenticator:
         if not needs_key(path):
             return None
         try:
-            if self.open():
+            # A key the store holds means the server is not open: the common keyed request asks
+            # the store once, not a second time for whether it holds any key.
+            record = self.record(token)
+            if record is None and self.open():
                 return DEFAULT_CALLER
-            return self.caller(token)
+            return self.caller(token, record)
         except StoreUnavailable as error:  # a shared store down, this key not read before it went (keys.py)
             raise store_unavailable(str(error)) from None

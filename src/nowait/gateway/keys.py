@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -25,6 +26,7 @@ from nowait.gateway.tenants import Caller, models_named
 from nowait.router import DataClass
 from nowait.store.database import Database, SqliteDatabase, StoreUnavailable
 from nowait.store.schema import Component, migrate, sql_step
+from nowait.store.wal_header import WalHeader
 
 log = logging.getLogger("nowait.gateway")
 
@@ -63,6 +65,12 @@ class KeyRecord:
         return self.revoked_at is None and (self.expires_at is None or now < self.expires_at)
 
     def caller(self) -> Caller:
+        return self._caller
+
+    @cached_property
+    def _caller(self) -> Caller:
+        # Built once per record read (a key is looked up on every request); a frozen dataclass's
+        # cached_property writes the instance's __dict__, leaving its fields and equality alone.
         return Caller(tenant=self.tenant, key_id=self.id, allowed_models=models_named(self.models),
                       data_class_floor=self.data_class_floor, requests_per_minute=self.requests_per_minute,
                       tokens_per_minute=self.tokens_per_minute, budget_usd_per_day=self.budget_usd_per_day)
@@ -129,7 +137,8 @@ COLUMNS = ("id, tenant, created_at, expires_at, revoked_at, models, data_class_f
 # How long `find` (and `any_keys`) may reuse what it read: a key is looked up on every request,
 # and reading its row cost more than the rest of the keyed path together. On SQLite the record
 # is reused only while the database is unchanged (`data_version`, which moves when another
-# connection, such as `nowait keys revoke`, commits), so a revoke holds from the next request;
+# connection, such as `nowait keys revoke`, commits; asked only when the wal-index header has
+# moved, store/wal_header.py, so a request runs no statement), so a revoke holds from the next request;
 # on PostgreSQL (several replicas, no such counter) the age bound alone holds: a key created or
 # revoked on one replica is honoured by every replica within FIND_CACHE_S. This store's own
 # writes clear the cache at once. While the database is unreachable, a key found before is
@@ -156,6 +165,10 @@ class SqlKeyStore:
         self._by_id: dict[str, tuple[float, KeyRecord]] = {}  # `get`'s, for a batch's every line
         self._any: tuple[float, bool] | None = None  # any_keys' last answer and when it was read
         self._version = -1
+        # The wal-index header seen at the last data_version check: while it reads the same, no
+        # connection has committed since, and the check needs no statement (store/wal_header.py).
+        self._wal = WalHeader(database.url.path) if database.dialect == "sqlite" and database.url.path else None
+        self._header: bytes | None = None
         self._closed = False
         self._lock = threading.Lock()
         self._down = threading.Event()  # set while the database is unreachable (a probe waits for it)
@@ -163,6 +176,8 @@ class SqlKeyStore:
     def close(self) -> None:
         """Close the database if it is this store's own (a shared one is its opener's to close)."""
         self._closed = True
+        if self._wal is not None:
+            self._wal.close()
         if self._owns_database:
             self.database.close()
 
@@ -183,6 +198,10 @@ class SqlKeyStore:
         """Drop what was read if another connection wrote since (SQLite's data_version)."""
         if self.database.dialect != "sqlite":
             return
+        # Read before data_version, so that the header kept is never newer than the version.
+        header = self._wal.read() if self._wal is not None else None
+        if header is not None and header == self._header:
+            return  # no commit since the last check
         version = self.database.query("PRAGMA data_version")[0][0]
         with self._lock:
             if version != self._version:
@@ -190,6 +209,7 @@ class SqlKeyStore:
                 self._by_id.clear()
                 self._any = None
                 self._version = version
+            self._header = header
 
     def _last_read(self, cached: tuple[float, T] | None) -> T:
         """What was read before the database became unreachable, else `StoreUnavailable`."""

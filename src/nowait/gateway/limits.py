@@ -21,16 +21,18 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from datetime import datetime, timezone
 
 from nowait.gateway.errors import APIError
+from nowait.gateway.spend_restore import DAY_S
 from nowait.gateway.tenants import Caller
 
 WINDOW_S = 60.0
 
 
-def utc_day(moment: float) -> str:
-    return datetime.fromtimestamp(moment, tz=timezone.utc).date().isoformat()
+def utc_day(moment: float) -> int:
+    """The UTC day a moment falls on, as days since 1970-01-01 (POSIX time has no leap seconds,
+    so every UTC day is DAY_S long; a number, not a date, because it is asked on every request)."""
+    return int(moment // DAY_S)
 
 
 class _Window:
@@ -67,7 +69,7 @@ class TenantLimits:
         self._lock = threading.Lock()  # batch lines and HTTP requests share it (and tests on other threads)
         self._requests: dict[str, _Window] = {}
         self._tokens: dict[str, _Window] = {}
-        self._spend: dict[str, tuple[str, float]] = {}  # tenant -> (UTC day, USD spent that day)
+        self._spend: dict[str, tuple[int, float]] = {}  # tenant -> (UTC day, USD spent that day)
 
     @staticmethod
     def _key(caller: Caller) -> str:
@@ -78,7 +80,7 @@ class TenantLimits:
             return self._spent(tenant, self.clock())
 
     def _spent(self, tenant: str, now: float) -> float:
-        day, spent = self._spend.get(tenant, ("", 0.0))
+        day, spent = self._spend.get(tenant, (-1, 0.0))
         return spent if day == utc_day(now) else 0.0
 
     def _window(self, table: dict[str, _Window], key: str, now: float) -> _Window:
@@ -86,10 +88,12 @@ class TenantLimits:
         window.expire(now)
         return window
 
-    def admit(self, caller: Caller) -> None:
-        """Count one request of `caller`, or raise the 429 that refuses it."""
+    def admit(self, caller: Caller) -> dict[str, str]:
+        """Count one request of `caller`, or raise the 429 that refuses it. Returns the
+        `x-ratelimit-*` headers as of its admission, for its answer: taken here, under the same
+        lock, so that an answered request asks the limits once, not a second time at its answer."""
         if not caller.limited:
-            return
+            return {}
         with self._lock:
             now = self.clock()
             budget = caller.budget_usd_per_day
@@ -106,6 +110,7 @@ class TenantLimits:
             if tpm is not None and tokens.total >= tpm:
                 self._refuse(caller, "tokens", tpm, tokens.seconds_until_below(tpm, now), requests, tokens)
             requests.add(now, 1)
+            return self._headers(caller, requests, tokens)
 
     def _refuse(self, caller: Caller, what: str, limit: int, retry_after: int, requests: _Window,
                 tokens: _Window) -> None:
@@ -127,7 +132,8 @@ class TenantLimits:
         return headers
 
     def headers(self, caller: Caller) -> dict[str, str]:
-        """The `x-ratelimit-*` headers of an answered request (none for a key without limits)."""
+        """The `x-ratelimit-*` headers of a request not counted against the limits (a file, a
+        batch), as of now (none for a key without limits); `admit` gives a counted one's."""
         if caller.requests_per_minute is None and caller.tokens_per_minute is None:
             return {}
         with self._lock:

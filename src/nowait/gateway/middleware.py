@@ -58,7 +58,8 @@ def counts_against_limits(method: str, path: str) -> bool:
 class TenantLimitMiddleware:
     """429 for a model request whose key is over its rate limits or its tenant's budget
     (limits.py), before the body is read; the `x-ratelimit-*` headers on every /v1 answer to a
-    limited key. Runs inside the API-key layer, which names the caller. Each refusal goes to
+    limited key (a model request's as of its admission, as OpenAI's are as of the request).
+    Runs inside the API-key layer, which names the caller. Each refusal goes to
     `on_refusal(error, caller, path)`: it is audited and counted for the caller's tenant."""
 
     def __init__(self, app, limits: Callable[[], TenantLimits],
@@ -71,9 +72,10 @@ class TenantLimitMiddleware:
             await self.app(scope, receive, send)
             return
         limits = self.limits()
+        admitted: dict[str, str] | None = None
         if counts_against_limits(scope["method"], scope["path"]):
             try:
-                limits.admit(caller)
+                admitted = limits.admit(caller)
             except APIError as error:
                 if self.on_refusal is not None:
                     self.on_refusal(error, caller, scope["path"])
@@ -82,7 +84,8 @@ class TenantLimitMiddleware:
 
         async def send_with_headers(message) -> None:
             if message["type"] == "http.response.start":
-                extra = [(k.encode(), v.encode()) for k, v in limits.headers(caller).items()]
+                shown = admitted if admitted is not None else limits.headers(caller)
+                extra = [(k.encode(), v.encode()) for k, v in shown.items()]
                 message = {**message, "headers": [*message.get("headers", []), *extra]}
             await send(message)
 
