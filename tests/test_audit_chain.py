@@ -57,6 +57,7 @@ def test_the_line_written_in_one_pass_is_the_documented_one(tmp_path):
         {},
         {"t": (1, 2), "where": tmp_path, "n": {3: "int key"}},  # not plain: as JSON reads it back
         {"client": "lone \ud800 surrogate", "nan": float("nan")},
+        {"a": {"hash": "inner"}, "text": '"hash":"' + "0" * 64 + '"', "z": {"hash": {"hash": 1}}},  # look-alikes
     ]
     for entry in entries:
         digest, line = hashed_line(entry)
