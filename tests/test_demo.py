@@ -54,6 +54,7 @@ def test_demo_serves_every_route_and_writes_the_report(models, tmp_path):
     # The default share of hard-tier forms, each form counted in its tier's row.
     assert summary["plan"]["hard_fraction"] == 0.3
     assert sum(t["forms"] for t in summary["tiers"].values()) == routes[REALTIME]["answered"]
+    assert summary["tiers"]["hard"]["forms"] == round(0.3 * routes[REALTIME]["sent"]) > 0
     assert all(t["usd_per_mtok"] > 0 for t in summary["engine_totals"])
     for name in ("report.html", "latency_over_time.png", "latency_by_route.png", "engines_over_time.png"):
         assert (tmp_path / "out" / name).stat().st_size > 0
