@@ -238,7 +238,8 @@ def _print_eval_table(result: dict) -> None:
     table = Table(title=f"nowait eval ({result['settings']['engine']}, n={result['n']})")
     for column in ("kind", "n", "field acc", "present field acc", "doc acc", "JSON valid"):
         table.add_column(column, justify="right" if column != "kind" else "left")
-    rows = [(kind, m) for kind, m in result["per_kind"].items()] + [("all", result)]
+    rows = ([(kind, m) for kind, m in result["per_kind"].items()] + [("all", result)]
+            + [(f"tier {tier}", m) for tier, m in result.get("per_tier", {}).items()])
     for kind, m in rows:
         table.add_row(kind, str(m["n"]), f"{m['field_accuracy']:.3f}", f"{m['present_field_accuracy']:.3f}",
                       f"{m['doc_accuracy']:.3f}", f"{m['json_valid_rate']:.3f}")
