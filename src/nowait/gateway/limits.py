@@ -67,8 +67,7 @@ class TenantLimits:
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
         self._lock = threading.Lock()  # batch lines and HTTP requests share it (and tests on other threads)
-        self._requests: dict[str, _Window] = {}
-        self._tokens: dict[str, _Window] = {}
+        self._windows: dict[str, tuple[_Window, _Window]] = {}  # key -> (its requests, its tokens)
         self._spend: dict[str, tuple[int, float]] = {}  # tenant -> (UTC day, USD spent that day)
 
     @staticmethod
@@ -83,10 +82,14 @@ class TenantLimits:
         day, spent = self._spend.get(tenant, (-1, 0.0))
         return spent if day == utc_day(now) else 0.0
 
-    def _window(self, table: dict[str, _Window], key: str, now: float) -> _Window:
-        window = table.setdefault(key, _Window())
-        window.expire(now)
-        return window
+    def _windows_of(self, key: str, now: float) -> tuple[_Window, _Window]:
+        """The key's requests and tokens windows, expired up to `now` (made on its first use)."""
+        windows = self._windows.get(key)
+        if windows is None:
+            windows = self._windows[key] = (_Window(), _Window())
+        windows[0].expire(now)
+        windows[1].expire(now)
+        return windows
 
     def admit(self, caller: Caller) -> dict[str, str]:
         """Count one request of `caller`, or raise the 429 that refuses it. Returns the
@@ -102,8 +105,7 @@ class TenantLimits:
                                     f"(UTC); requests are served again from 00:00 UTC", type="insufficient_quota",
                                code="insufficient_quota")
             key = self._key(caller)
-            requests = self._window(self._requests, key, now)
-            tokens = self._window(self._tokens, key, now)
+            requests, tokens = self._windows_of(key, now)
             rpm, tpm = caller.requests_per_minute, caller.tokens_per_minute
             if rpm is not None and requests.total >= rpm:
                 self._refuse(caller, "requests", rpm, requests.seconds_until_below(rpm, now), requests, tokens)
@@ -138,8 +140,7 @@ class TenantLimits:
             return {}
         with self._lock:
             now, key = self.clock(), self._key(caller)
-            return self._headers(caller, self._window(self._requests, key, now),
-                                 self._window(self._tokens, key, now))
+            return self._headers(caller, *self._windows_of(key, now))
 
     def restore(self, spent: dict[str, float]) -> None:
         """Today's spend per tenant, as the audit log has it (spend_restore.py), added on start."""
@@ -152,7 +153,7 @@ class TenantLimits:
         """An answered request's tokens (the key's window) and cost (the tenant's day)."""
         with self._lock:
             now = self.clock()
-            self._window(self._tokens, self._key(caller), now).add(now, tokens)
+            self._windows_of(self._key(caller), now)[1].add(now, tokens)
             day = utc_day(now)
             self._spend[caller.tenant] = (day, self._spent(caller.tenant, now) + cost_usd)
 

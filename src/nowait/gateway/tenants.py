@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from nowait.router import DataClass
@@ -51,7 +52,7 @@ class Caller:
         """The data class a request of this caller is treated as."""
         return stricter(data_class, self.data_class_floor)
 
-    @property
+    @cached_property  # asked two or three times a request; a frozen dataclass's fields never change
     def limited(self) -> bool:
         return any(v is not None for v in (self.requests_per_minute, self.tokens_per_minute,
                                             self.budget_usd_per_day))
