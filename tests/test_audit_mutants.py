@@ -1,0 +1,170 @@
+"""The audit log's parts that mutmut found unguarded (chain.py, log.py, spend.py, the store's
+writer and verifier): the store's rows read as PostgreSQL's (tests/store_support.py), each break
+the store verifier names in the words of rows, a time without a zone read as UTC whatever the
+machine's zone, and a file read from its end in blocks of any size."""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+import time
+
+import pytest
+
+from nowait.gateway.audit import log as audit_log
+from nowait.gateway.audit import store_log
+from nowait.gateway.audit.spend import since_timestamp
+from nowait.gateway.audit.store_log import StoreAuditLog, read_store_audit_log, store_spent_since
+from nowait.gateway.audit.store_verify import verify_store
+from nowait.store.database import StoreUnavailable
+from tests.store_support import postgres_like_sqlite
+
+
+@pytest.fixture
+def database(tmp_path):
+    opened = postgres_like_sqlite(tmp_path / "store.sqlite")
+    yield opened
+    opened.close()
+
+
+def fill(database, count: int = 4, replica: str = "r1") -> None:
+    log = StoreAuditLog(database, replica)
+    for n in range(count):
+        log.record({"request_id": f"req-{n}", "tenant": "teamA" if n % 2 else "teamB", "status": 200,
+                    "cost_usd": 0.25 * n, "time": 100.0 + n})
+    log.close()
+
+
+def execute(database, sql: str, args: tuple = ()) -> None:
+    database.transaction(lambda session: session.execute(sql, args))
+
+
+def test_the_store_log_reads_back_and_continues_with_rows_read_as_postgresqls(database):
+    fill(database, 3)
+    again = StoreAuditLog(database, "r1")  # continues the chain from its last row
+    again.record({"request_id": "req-3", "tenant": "teamA", "status": 200, "cost_usd": 1.0, "time": 103.0})
+    again.close()
+    entries = read_store_audit_log(database)
+    assert [(e["seq"], e["request_id"]) for e in entries] == [(n, f"req-{n}") for n in range(4)]
+    assert entries[3]["prev"] == entries[2]["hash"]
+    assert [e["request_id"] for e in read_store_audit_log(database, 102.0)] == ["req-2", "req-3"]
+    assert store_spent_since(database, 101.0) == {"teamA": 1.25, "teamB": 0.5}
+    assert verify_store(database).ok
+
+
+def test_each_store_break_is_told_in_rows_with_the_rows_key(database):
+    fill(database)
+    execute(database, "DELETE FROM audit_entries WHERE seq = 1")
+    assert verify_store(database).broken.message == (
+        "entry 1 of replica 'r1' was removed: row 2 holds entry 2 (request req-2) where entry 1 was due "
+        "[row 2: replica 'r1', seq 2]")
+    execute(database, "UPDATE audit_entries SET entry = '{torn' WHERE seq = 2")
+    assert verify_store(database).broken.message == (
+        "row 2 is not a JSON entry, and the entry after it does not vouch for it as a torn write: it was altered "
+        "[row 2: replica 'r1', seq 2]")
+
+
+def test_a_last_row_that_is_not_json_is_altered_not_torn(database):
+    fill(database, 3)
+    execute(database, "UPDATE audit_entries SET entry = '{torn' WHERE seq = 2")
+    broken = verify_store(database).broken
+    assert (broken.kind, broken.line) == ("altered", 3)
+    assert broken.message == "row 3 is not a JSON entry: it was altered [row 3: replica 'r1', seq 2]"
+
+
+def test_a_column_break_names_the_row_and_its_key(database):
+    fill(database, 3)
+    execute(database, "UPDATE audit_entries SET status = 500, tenant = 'x' WHERE seq = 1")
+    broken = verify_store(database).broken
+    assert (broken.kind, broken.line, broken.replica, broken.seq, broken.request_id) == ("altered", 2, "r1", 1, "req-1")
+    assert broken.message == ("row 2's tenant, status column(s) do not say what its entry says: they were altered "
+                              "[row 2: replica 'r1', seq 1]")
+    execute(database, "UPDATE audit_entries SET status = 200, tenant = 'teamA' WHERE seq = 1")
+    execute(database, "UPDATE audit_entries SET seq = 7 WHERE seq = 2")
+    broken = verify_store(database).broken
+    assert (broken.kind, broken.line, broken.replica, broken.seq, broken.request_id) == ("altered", 3, "r1", 2, "req-2")
+    assert broken.message == (
+        "row 3's key is not its entry's (replica 'r1', seq 2): it was altered [row 3: replica 'r1', seq 7]")
+    execute(database, "UPDATE audit_entries SET seq = 2 WHERE seq = 7")
+    execute(database, "UPDATE audit_entries SET time = 1, tenant = 'x', status = 1, cost_usd = 9 WHERE seq = 0")
+    verdict = verify_store(database)
+    assert verdict.path == database.url.redacted and verdict.broken.line == 1
+    assert verdict.broken.message.startswith("row 1's time, tenant, status, cost_usd column(s) do not say")
+
+
+def test_the_columns_say_what_the_line_says_with_no_nul_and_no_lone_surrogate(database):
+    log = StoreAuditLog(database, "r1")
+    for tenant, status in (("team\udc80", 200), ("a\x00b", "200"), ("", True), (7, 404)):
+        log.record({"tenant": tenant, "status": status, "cost_usd": 0.5})
+    log.close()
+    columns = database.query("SELECT tenant, status FROM audit_entries ORDER BY seq")
+    assert [(row["tenant"], row["status"]) for row in columns] == [
+        ("team?", 200), ("a?b", None), (None, None), (None, 404)]
+    assert [e["tenant"] for e in read_store_audit_log(database)] == ["team?", "a\x00b", "", 7]
+    assert verify_store(database).ok
+
+
+def test_the_writer_is_a_daemon_thread_named_for_its_replica_and_the_chain_is_logged(database, caplog):
+    fill(database, 2)
+    with caplog.at_level(logging.INFO, logger="nowait.gateway"):
+        log = StoreAuditLog(database, "r1")
+    [writer] = [t for t in threading.enumerate() if t.name == "audit-store-r1"]
+    daemon = writer.daemon
+    log.close()
+    assert daemon and not writer.is_alive()  # a process that ends without close is not held up by it
+    head = read_store_audit_log(database)[-1]["hash"]
+    assert caplog.records[0].getMessage() == (
+        f"audit log in {database.url.redacted}: chain 'r1' continues at entry 2 after {head}")
+
+
+def test_flush_waits_for_a_slow_store_within_its_timeout(database, monkeypatch):
+    real = database.transaction
+
+    def slow(work):
+        time.sleep(0.15)
+        return real(work)
+    log = StoreAuditLog(database, "r1")
+    monkeypatch.setattr(database, "transaction", slow)
+    log.record({"request_id": "req-0"})
+    assert log.flush(0.9) and log.queued == 0
+    log.close()
+
+
+def test_entries_given_up_after_a_close_during_an_outage_are_named_with_the_store(database, monkeypatch, caplog):
+    monkeypatch.setattr(store_log, "RETRY_FIRST_S", 0.01)
+    monkeypatch.setattr(store_log, "CLOSE_WAIT_S", 0.1)
+    log = StoreAuditLog(database, "r1")
+
+    def unreachable(work):
+        raise StoreUnavailable("the store is unavailable")
+    monkeypatch.setattr(database, "transaction", unreachable)
+    log.record({"request_id": "req-0"})
+    with caplog.at_level(logging.ERROR, logger="nowait.gateway"):
+        log.close()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"audit log in {database.url.redacted}: the store stayed unreachable for 0 s after close: 1 entr(ies) of "
+        "chain 'r1' from entry 0 were not written"]
+
+
+@pytest.fixture
+def new_york(monkeypatch):
+    """A machine whose local time is not UTC, as a --since without a zone must not depend on it."""
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+def test_a_since_without_a_zone_is_utc_and_one_with_a_zone_keeps_it(new_york):
+    assert since_timestamp("2026-01-02T03:04:05") == 1767323045.0
+    assert since_timestamp("2026-01-02") == 1767312000.0
+    assert since_timestamp("2026-01-02T03:04:05+02:00") == 1767323045.0 - 7200
+
+
+@pytest.mark.parametrize("block", [1, 2, 3, 7, 1 << 16])
+def test_a_file_read_from_its_end_yields_every_line_last_first_for_any_block(monkeypatch, block):
+    monkeypatch.setattr(audit_log, "TAIL_BLOCK", block)
+    for data in (b"", b"\n", b"a", b"ab\ncd", b"first\n\nthird line\nfour\n", b"x" * 20 + b"\n" + b"y" * 9):
+        assert list(audit_log.lines_from_end(io.BytesIO(data))) == data.split(b"\n")[::-1], data
