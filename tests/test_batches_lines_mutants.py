@@ -39,13 +39,13 @@ def test_the_leases_of_the_lines_being_answered_are_renewed_for_this_batch(store
         gate = asyncio.Event()
         runner = BatchRunner(store, Executor(gate=gate), 2, replica="r1", lease_s=3.0)
         task = asyncio.create_task(runner._process(batch_id))
-        while len(renewed) < 2:  # a renewal every lease_s / 3 (scaled: 10 ms) while the lines wait
+        while not any(args[2] == [1, 2] for args in renewed):  # every lease_s / 3 (scaled: 10 ms)
             await REAL_SLEEP(0.005)
         gate.set()
         await task
         return runner
-    runner = asyncio.run(asyncio.wait_for(main(), 30))
-    assert renewed[0] == (batch_id, runner.lease_owner, [1, 2], 3.0)
+    runner = asyncio.run(asyncio.wait_for(main(), 10))
+    assert (batch_id, runner.lease_owner, [1, 2], 3.0) in renewed
     assert store.status(batch_id) == "completed"
 
 
@@ -171,3 +171,23 @@ def test_the_warnings_of_a_failed_renewal_or_answer_keep_their_batch_and_traceba
     assert [(r.getMessage(), type(r.exc_info[1])) for r in caplog.records] == [
         (f"could not renew the leases of batch {batch_id}'s lines", RuntimeError),
         (f"could not store the answer of batch {batch_id} line 1: retrying", RuntimeError)]
+
+
+def test_a_runner_stopped_mid_batch_while_the_store_is_away_still_stops(store, monkeypatch):
+    Sleeps(monkeypatch)
+    batch_id = new_batch(store, 2)
+
+    def release(*args):
+        raise RuntimeError("store away")
+    monkeypatch.setattr(store, "release", release)
+
+    async def main() -> None:
+        gate = asyncio.Event()
+        execute = Executor(gate=gate)
+        task = asyncio.create_task(BatchRunner(store, execute, 2, replica="r1")._process(batch_id))
+        while execute.running < 2:
+            await REAL_SLEEP(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):  # the leases expire instead of being given back
+            await task
+    asyncio.run(asyncio.wait_for(main(), 30))
