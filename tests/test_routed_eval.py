@@ -14,7 +14,7 @@ from nowait.cli import app
 from nowait.engines.base import Completion, Timings
 from nowait.extraction.corpus import documents, schema_for
 from nowait.gateway.ledger import owned_cost_usd
-from nowait.routed_eval import RoutedEngine, route_documents, routed_metrics
+from nowait.routed_eval import RoutedEngine, low_confidence_figures, route_documents, routed_metrics
 from nowait.router import RoutingPolicy, schema_hash
 
 runner = CliRunner()
@@ -91,6 +91,27 @@ def test_the_kept_answer_below_its_engines_floor_is_flagged(codec):
     assert low["low_confidence_flags"] == 4 and sure["low_confidence_flags"] == 0
 
 
+def test_low_confidence_figures_judge_each_engines_answers_and_the_returned_ones(codec):
+    docs = documents("test", 4)
+    floors = {"diffusion": 0.5, "ar": 0.7}
+    policy = RoutingPolicy(confidence_threshold=2.0, confidence_floors=floors)
+    fast, fallback, _, _ = engines(docs, fast_confidence=0.3, fallback_confidence=0.6, fast_text='{"name": ')
+    answers = route_documents(docs, codec, fast, fallback, policy)
+    report = low_confidence_figures(answers, docs, "diffusion", floors)
+    diffusion, ar, returned = report["engines"]["diffusion"], report["engines"]["ar"], report["routed"]
+    # Diffusion's broken answers are all wrong and all below 0.5: every one caught.
+    assert diffusion["at_floor"]["recall"] == 1.0 and diffusion["at_floor"]["false_flag_rate"] is None
+    # AR's re-runs are all right, yet at 0.6 below AR's 0.7: every one a false flag, no recall to speak of.
+    assert ar["n"] == 4 and ar["at_floor"]["false_flag_rate"] == 1.0 and ar["at_floor"]["recall"] is None
+    at_floor = returned["at_floor"]
+    assert at_floor["wrong_flagged"] + at_floor["correct_flagged"] == routed_metrics(answers, docs)[
+        "low_confidence_flags"] == 4
+    assert [r["correct_flagged"] for r in returned["sweep"] if r["floor"] in (0.6, 0.7)] == [0, 4]
+    sure_fast, sure_fallback, _, _ = engines(docs)  # right answers at 0.95: none falls back
+    kept = route_documents(docs, codec, sure_fast, sure_fallback, RoutingPolicy(confidence_threshold=0.0))
+    assert low_confidence_figures(kept, docs, "diffusion", floors)["engines"]["ar"]["n"] == 0  # AR never ran
+
+
 def test_a_schemas_own_threshold_decides_for_its_kind(codec):
     docs = documents("test", 6)
     policy = RoutingPolicy(confidence_threshold=0.0, schema_thresholds={schema_hash(schema_for("kyc")): 2.0})
@@ -120,11 +141,22 @@ def test_eval_routed_on_the_bundled_models_falls_back_as_the_threshold_says(tmp_
     assert everything["tier"] == "clean" and everything["settings"]["engine"] == "routed"
     assert everything["usd_per_request"] > 0 and everything["latency_ms_p50"] > 0
     assert set(everything["busy_s"]) == {"diffusion", "ar"}
+    flags = everything["low_confidence"]
+    assert set(flags["engines"]) == {"diffusion", "ar"} and flags["routed"]["n"] == 3
+    assert flags["routed"]["floor"] == everything["settings"]["confidence_floors"]
+    at_floor = flags["routed"]["at_floor"]
+    assert at_floor["wrong_flagged"] + at_floor["correct_flagged"] == everything["low_confidence_flags"]
     config = tmp_path / "nowait.yaml"
     config.write_text(yaml.safe_dump({"routing": {"confidence_threshold": 0.0}}))
     nothing = eval_routed("--config", str(config), "--structured")  # template answers are schema-valid JSON
     assert nothing["kept_on_diffusion"] == 1.0 and nothing["answered_by"] == {"diffusion": 3}
     assert nothing["settings"]["confidence_threshold_source"] == "routing.confidence_threshold"
+
+
+def test_eval_routed_prints_the_low_confidence_table():
+    result = runner.invoke(app, ["eval", "--engine", "routed", "--n", "1", "--threads", "1", "--threshold", "2"])
+    assert result.exit_code == 0, result.output
+    assert "low-confidence flags" in result.output and "returned" in result.output and "recall" in result.output
 
 
 @pytest.mark.parametrize(("flags", "fragment"), [

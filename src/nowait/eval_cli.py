@@ -250,10 +250,37 @@ def _print_eval_table(result: dict) -> None:
                       f"{result['diffusion_field_accuracy']:.3f}); latency p50 {result['latency_ms_p50']} ms, p95 "
                       f"{result['latency_ms_p95']} ms; ${result['usd_per_request']:.2e} per request; "
                       f"{result['low_confidence_flags']} low-confidence flag(s)", highlight=False)
+        for tier, entry in [("", result), *((f", tier {t}", m) for t, m in result.get("per_tier", {}).items())]:
+            _print_low_confidence_table(entry["low_confidence"], f"low-confidence flags{tier} (n={entry['n']})")
         return
     console.print(f"{result['settings']['decoding']}; {result['elapsed_s']} s; "
                   f"{result['forwards_per_doc']} forwards/doc, {result['tokens_per_forward']} tokens/forward, "
                   f"latency p50 {result['latency_ms_p50']} ms, p95 {result['latency_ms_p95']} ms", highlight=False)
+
+
+def _print_low_confidence_table(report: dict, title: str) -> None:
+    """Recall (wrong answers flagged) and false flags (correct answers flagged) per engine and
+    floor, and for the answers as returned (`low_confidence` of the JSON)."""
+    from rich.table import Table
+
+    def rate(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.0%}"
+
+    goal = report["goal"]
+    table = Table(title=f"{title}; goal: recall >= {goal['recall_at_least']:.0%}, false flags <= "
+                        f"{goal['false_flag_rate_at_most']:.0%}")
+    for column in ("answers", "floor", "wrong flagged", "recall", "correct flagged", "false flags", "goal"):
+        table.add_column(column, justify="left" if column == "answers" else "right")
+    for name, group in {**report["engines"], "returned": report["routed"]}.items():
+        label = f"{name} (n={group['n']})"
+        for floor, e in [("default", group["at_floor"]), *((f"{r['floor']:g}", r) for r in group["sweep"])]:
+            table.add_row(label, floor, f"{e['wrong_flagged']}/{e['wrong']}", rate(e["recall"]),
+                          f"{e['correct_flagged']}/{e['correct']}", rate(e["false_flag_rate"]),
+                          {True: "met", False: "", None: "n/a"}[e["meets_goal"]])
+            label = ""
+        table.add_section()
+    console.print(table)
+    console.print("default: each engine's engines.<name>.confidence_floor", highlight=False)
 
 
 def calibrate(

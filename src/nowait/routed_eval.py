@@ -10,6 +10,10 @@ Each document is one real-time request, answered one at a time as a lone request
     -> the fallback engine (AR) re-runs it; both runs are paid for
     -> the answer kept is flagged low-confidence if below its engine's floor (router.below_floor)
 
+Beside the accuracy, `low_confidence` says how well the floors catch wrong answers (flag_rates):
+recall and false flags of each engine's own answers and of the answers as returned, at the
+configured floors and over a sweep, from the confidences the route already decoded.
+
 The request asks for JSON as a client would: the kind's JSON Schema with `structured` (the
 diffusion engine fills the schema's template, AR decodes under its grammar), else any JSON
 object (`json_object`: diffusion decodes free-form and the answer must parse). A document's
@@ -35,6 +39,8 @@ from nowait.evaluation import (
     scored_summary,
 )
 from nowait.extraction.corpus import Document, documents, schema_for
+from nowait.extraction.scorer import score_document
+from nowait.flag_rates import GOAL_FALSE_FLAG_RATE, GOAL_RECALL, floor_report, routed_report, sweep_floors
 from nowait.gateway.config import GatewayConfig
 from nowait.gateway.dispatch import fallback_cause
 from nowait.gateway.domain import Attempt
@@ -172,6 +178,33 @@ def routed_metrics(answers: list[RoutedAnswer], docs: list[Document]) -> dict:
     return summary
 
 
+def _has_wrong_field(text: str, doc: Document) -> bool:
+    score = score_document(text, doc.fields, doc.kind)
+    return score.fields_correct < score.fields_total
+
+
+def low_confidence_figures(answers: list[RoutedAnswer], docs: list[Document], fast_engine: str,
+                           floors: dict[str, float]) -> dict:
+    """Recall (answers with a wrong field below the floor) against false flags (fully correct
+    answers below it): the fast engine's answers (every document), the fallback's (the documents
+    it re-ran), and the answers kept, as the gateway returns and flags them; each at its
+    engine's floor (`floors`: engine -> floor) and over the sweep (flag_rates)."""
+    sweep = sweep_floors(list(floors.values()))
+    pairs = list(zip(answers, docs, strict=True))
+    engines = {fast_engine: floor_report([a.fast_confidence for a in answers],
+                                         [_has_wrong_field(a.fast_text, d) for a, d in pairs],
+                                         floors[fast_engine], sweep)}
+    for name, floor in floors.items():
+        if name != fast_engine:
+            rerun = [(a, d) for a, d in pairs if a.fallback_cause is not None and a.engine == name]
+            engines[name] = floor_report([a.confidence for a, _ in rerun],
+                                         [_has_wrong_field(a.text, d) for a, d in rerun], floor, sweep)
+    kept = routed_report([a.confidence for a in answers], [_has_wrong_field(a.text, d) for a, d in pairs],
+                         [a.engine for a in answers], floors, sweep)
+    return {"goal": {"recall_at_least": GOAL_RECALL, "false_flag_rate_at_most": GOAL_FALSE_FLAG_RATE},
+            "floors": sweep, "engines": engines, "routed": kept}
+
+
 def routed_config(config: GatewayConfig, fast_model: str | None = None, fallback_model: str | None = None,
                   device: str | None = None) -> GatewayConfig:
     """The config with its fast and fallback engines pointed at other checkpoints, or another
@@ -229,6 +262,12 @@ def run_routed_eval(config: GatewayConfig, n: int, split: str = "test", seed: in
     started = time.perf_counter()
     answers = route_documents(docs, codec, fast, fallback, policy, structured, on_batch)
     result = routed_metrics(answers, docs)
+    floors = {name: confidence_floor(name, policy) for name in (fast.name, fallback.name)}
+    result["low_confidence"] = low_confidence_figures(answers, docs, fast.name, floors)
+    for tier, entry in result.get("per_tier", {}).items():
+        mine = [i for i, d in enumerate(docs) if d.tier == tier]
+        entry["low_confidence"] = low_confidence_figures([answers[i] for i in mine], [docs[i] for i in mine],
+                                                         fast.name, floors)
     result["tier"], result["elapsed_s"] = tier, round(time.perf_counter() - started, 2)
     threshold_source = ("--threshold" if threshold is not None else config.confidence_threshold()[1])
     diffusion_options = getattr(fast.engine, "options", None)
