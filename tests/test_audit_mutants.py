@@ -9,12 +9,13 @@ import io
 import logging
 import threading
 import time
+from dataclasses import asdict
 
 import pytest
 
 from nowait.gateway.audit import log as audit_log
 from nowait.gateway.audit import store_log
-from nowait.gateway.audit.spend import since_timestamp
+from nowait.gateway.audit.spend import since_timestamp, spend, spend_json
 from nowait.gateway.audit.store_log import StoreAuditLog, read_store_audit_log, store_spent_since
 from nowait.gateway.audit.store_verify import verify_store
 from nowait.store.database import StoreUnavailable
@@ -168,3 +169,40 @@ def test_a_file_read_from_its_end_yields_every_line_last_first_for_any_block(mon
     monkeypatch.setattr(audit_log, "TAIL_BLOCK", block)
     for data in (b"", b"\n", b"a", b"ab\ncd", b"first\n\nthird line\nfour\n", b"x" * 20 + b"\n" + b"y" * 9):
         assert list(audit_log.lines_from_end(io.BytesIO(data))) == data.split(b"\n")[::-1], data
+
+
+def run(engine: str | None, prompt: int | None, completion: int | None, cost: float | None) -> dict:
+    fields = {"engine": engine, "prompt_tokens": prompt, "completion_tokens": completion, "cost_usd": cost}
+    return {name: value for name, value in fields.items() if value is not None}
+
+
+SPEND_ENTRIES = [  # costs in powers of two, so every sum is exact
+    {"tenant": "a", "status": 200, "time": 10.0, "cost_usd": 0.5, "fallback_cause": "engine_failure",
+     "engines_tried": [run("diffusion", 3, 4, 0.125), run("ar", 5, 6, 0.375)]},
+    {"tenant": None, "status": 500, "time": 20.0, "cost_usd": 0.25, "engines_tried": [run("ar", None, 1, 0.25)]},
+    {"engines_tried": [run(None, 2, None, None), "not a run"]},  # no time, status, tenant or cost
+    {"tenant": "a", "status": 200, "time": 30.0, "cost_usd": 0.5625, "fallback_cause": "low_confidence",
+     "engines_tried": [run("diffusion", 7, 8, 0.0625), run("ar", 9, 10, 0.5)]},
+    {"tenant": "b", "status": 200, "time": 40.0, "cost_usd": 0.25, "engines_tried": []},
+]
+
+
+def rows_of(rows) -> list[tuple]:
+    return [(name, row.requests, row.errors, row.prompt_tokens, row.completion_tokens, row.cost_usd)
+            for name, row in rows.items()]
+
+
+def test_spend_by_tenant_counts_each_request_once_with_its_runs_tokens_largest_cost_first():
+    assert rows_of(spend(SPEND_ENTRIES)) == [("a", 2, 0, 24, 28, 1.0625), ("b", 1, 0, 0, 0, 0.25),
+                                             ("default", 2, 1, 2, 1, 0.25)]  # a tie: by name
+    assert rows_of(spend(SPEND_ENTRIES, since=1.0)) == [("a", 2, 0, 24, 28, 1.0625), ("b", 1, 0, 0, 0, 0.25),
+                                                        ("default", 1, 1, 0, 1, 0.25)]  # no time: before any since
+    assert [name for name in spend(SPEND_ENTRIES, since=30.0)] == ["a", "b"]  # at `since` counts
+
+
+def test_spend_by_engine_fails_an_earlier_run_only_when_it_is_why_the_request_moved_on():
+    rows = spend(SPEND_ENTRIES, by="engine")
+    assert rows_of(rows) == [("ar", 3, 1, 14, 17, 1.125), ("diffusion", 2, 1, 10, 12, 0.1875), ("?", 1, 0, 2, 0, 0.0)]
+    assert spend_json(rows, "engine", 5.0) == {
+        "by": "engine", "since": 5.0, "rows": {name: asdict(row) for name, row in rows.items()},
+        "total": {"requests": 6, "errors": 2, "prompt_tokens": 26, "completion_tokens": 29, "cost_usd": 1.3125}}
