@@ -15,6 +15,7 @@ from nowait.calibration import (
     calibrated_threshold,
     calibrated_thresholds,
     discrimination,
+    low_confidence_figures,
     per_kind_thresholds,
     write_calibration,
 )
@@ -39,6 +40,21 @@ def test_discrimination_is_reported_per_engine():
                ScoredAnswer(0.7, 3, 3, 2, "kyc", 0.3)]
     assert discrimination(answers) == {"diffusion": 1.0, "ar": 1.0}
     assert discrimination([ScoredAnswer(0.9, 3, 3), ScoredAnswer(0.4, 2, 3)]) == {"diffusion": 1.0}
+
+
+def test_low_confidence_figures_give_each_engines_recall_and_false_flags_at_the_floor():
+    # Diffusion: the wrong answer at 0.4 is caught, the right ones at 0.9 and 0.3 half falsely flagged.
+    # AR (fallback_fields_correct, fallback_confidence): the wrong one at 0.3 caught, right ones above.
+    answers = [ScoredAnswer(0.9, 3, 3, 3, "kyc", 0.8), ScoredAnswer(0.4, 2, 3, 3, "kyc", 0.7),
+               ScoredAnswer(0.3, 3, 3, 2, "kyc", 0.3)]
+    report = low_confidence_figures(answers, floor=0.5)
+    diffusion, ar = report["engines"]["diffusion"]["at_floor"], report["engines"]["ar"]["at_floor"]
+    assert (diffusion["recall"], diffusion["false_flag_rate"], diffusion["meets_goal"]) == (1.0, 0.5, False)
+    assert (ar["recall"], ar["false_flag_rate"], ar["meets_goal"]) == (1.0, 0.0, True)
+    assert 0.5 in report["floors"] and report["goal"] == {"recall_at_least": 0.5, "false_flag_rate_at_most": 0.1}
+    # Without AR's answers only diffusion is reported; with no wrong answer its recall is undefined.
+    alone = low_confidence_figures([ScoredAnswer(0.9, 3, 3), ScoredAnswer(0.2, 3, 3)])
+    assert set(alone["engines"]) == {"diffusion"} and alone["engines"]["diffusion"]["at_floor"]["recall"] is None
 
 
 def test_each_kind_gets_its_own_threshold():
@@ -121,5 +137,6 @@ def test_calibrate_prints_the_kinds_and_the_auroc(tmp_path, codec):
     result = CliRunner().invoke(app, ["calibrate", "--model", models["diffusion"], "--ar-model", models["ar"],
                                       "--n", "3", "--batch-size", "3", "--target", "0.5", "--no-write"])
     assert result.exit_code == 0, result.output
+    assert "low-confidence flags (n=3)" in result.output and "recall" in result.output
     assert "per kind (and its schema): kyc " in result.output and "AUROC of confidence against a wrong field: " \
                                                                   "diffusion " in result.output

@@ -53,6 +53,7 @@ def test_calibrate_reads_the_tier_and_reports_each(models):
     report = last_json(result.stdout)
     assert report["tier"] == "mixed" and {t: e["n"] for t, e in report["per_tier"].items()} == {"clean": 2, "hard": 2}
     assert all(0 <= e["acceptance_rate"] <= 1 for e in report["per_tier"].values())
+    assert all(e["low_confidence"]["engines"]["ar"]["n"] == 2 for e in report["per_tier"].values())
     refused = runner.invoke(app, ["calibrate", "--model", str(models / "diffusion"), "--ar-model",
                                   str(models / "ar"), "--tier", "glossy", "--no-write"])
     assert refused.exit_code != 0 and "unknown tier 'glossy'" in refused.output

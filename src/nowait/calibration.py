@@ -14,7 +14,9 @@ Kinds differ (a letter of credit's fields are harder than a KYC form's), so the 
 a threshold per document kind and per JSON Schema (by `router.schema_hash`), chosen the same way
 on that kind's answers; the router takes the request's own (schema, then kind, then global). And
 how well the confidence tells wrong answers from right ones, per engine: the AUROC of the
-confidence against "has a wrong field" (`auroc`). A file written before these keys still loads.
+confidence against "has a wrong field" (`auroc`), and how well the gateway's confidence floor
+would flag them (`low_confidence`: recall against false flags, flag_rates). A file written
+before these keys still loads.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from nowait.extraction.scorer import score_document
-from nowait.router import KindThreshold, schema_hash
+from nowait.flag_rates import GOAL, floor_report, sweep_floors
+from nowait.router import DEFAULT_CONFIDENCE_FLOOR, KindThreshold, schema_hash
 
 CALIBRATION_FILE = "calibration.json"
 
@@ -159,6 +162,20 @@ def discrimination(answers: Sequence[ScoredAnswer]) -> dict[str, float | None]:
     return out
 
 
+def low_confidence_figures(answers: Sequence[ScoredAnswer], floor: float = DEFAULT_CONFIDENCE_FLOOR) -> dict:
+    """Recall (answers with a wrong field below the floor) against false flags (fully correct
+    ones below it) of each engine's confidence over every document, at the gateway's default
+    floor and over the sweep (AR's when measured). `eval --engine routed` adds the answers as
+    the gateway returns them."""
+    sweep = sweep_floors([floor])
+    engines = {"diffusion": floor_report([a.confidence for a in answers], [a.wrong for a in answers], floor, sweep)}
+    if all(a.fallback_confidence is not None and a.fallback_fields_correct is not None for a in answers):
+        engines["ar"] = floor_report([a.fallback_confidence for a in answers],
+                                     [a.fallback_fields_correct < a.fields_total for a in answers],  # type: ignore[operator]
+                                     floor, sweep)
+    return {"goal": GOAL, "floors": sweep, "engines": engines}
+
+
 def per_tier_figures(answers: Sequence[ScoredAnswer], tiers: Sequence[str], threshold: float) -> dict[str, dict]:
     """For documents of several tiers: each tier's diffusion and AR accuracy and the share its
     answers keep on diffusion at the chosen (global) threshold. The router does not know a
@@ -171,7 +188,8 @@ def per_tier_figures(answers: Sequence[ScoredAnswer], tiers: Sequence[str], thre
               else _accuracy(sum(a.fallback_fields_correct for a in mine), total))  # type: ignore[misc]
         out[tier] = {"n": len(mine), "fast_field_accuracy": _accuracy(sum(a.fields_correct for a in mine), total),
                      "ar_field_accuracy": ar,
-                     "acceptance_rate": sum(a.confidence >= threshold for a in mine) / len(mine)}
+                     "acceptance_rate": sum(a.confidence >= threshold for a in mine) / len(mine),
+                     "low_confidence": low_confidence_figures(mine)}
     return out
 
 
@@ -213,6 +231,7 @@ def calibrate(diffusion_model, ar_model, codec, n: int = 200, split: str = "vali
             "confidence_kind": "min_token_probability",
             "per_kind": per_kind_thresholds(answers, target_field_accuracy if explicit_target else None),
             "discrimination": discrimination(answers),
+            "low_confidence": low_confidence_figures(answers),
             "curve": [{"threshold": round(t, 6), "acceptance_rate": round(a, 4), "accepted_field_accuracy": round(f, 4)}
                       for t, a, f in _thin(curve)]}
 

@@ -260,7 +260,7 @@ def _print_eval_table(result: dict) -> None:
 
 def _print_low_confidence_table(report: dict, title: str) -> None:
     """Recall (wrong answers flagged) and false flags (correct answers flagged) per engine and
-    floor, and for the answers as returned (`low_confidence` of the JSON)."""
+    floor, and (eval --engine routed) for the answers as returned (`low_confidence` of the JSON)."""
     from rich.table import Table
 
     def rate(value: float | None) -> str:
@@ -271,7 +271,8 @@ def _print_low_confidence_table(report: dict, title: str) -> None:
                         f"{goal['false_flag_rate_at_most']:.0%}")
     for column in ("answers", "floor", "wrong flagged", "recall", "correct flagged", "false flags", "goal"):
         table.add_column(column, justify="left" if column == "answers" else "right")
-    for name, group in {**report["engines"], "returned": report["routed"]}.items():
+    returned = {"returned": report["routed"]} if "routed" in report else {}
+    for name, group in {**report["engines"], **returned}.items():
         label = f"{name} (n={group['n']})"
         for floor, e in [("default", group["at_floor"]), *((f"{r['floor']:g}", r) for r in group["sweep"])]:
             table.add_row(label, floor, f"{e['wrong_flagged']}/{e['wrong']}", rate(e["recall"]),
@@ -364,6 +365,8 @@ def calibrate(
         console.print(f"tier {name}: diffusion {entry['fast_field_accuracy']:.3f}, AR "
                       f"{entry['ar_field_accuracy']:.3f}, {entry['acceptance_rate']:.0%} kept on diffusion at the "
                       "threshold", highlight=False)
+    for name, entry in [("", result), *((f", tier {t}", m) for t, m in result.get("per_tier", {}).items())]:
+        _print_low_confidence_table(entry["low_confidence"], f"low-confidence flags{name} (n={entry['n']})")
     if write:
         console.print(f"written to {result['written_to']}; `nowait serve` uses it when routing.confidence_threshold "
                       "is not set", highlight=False)

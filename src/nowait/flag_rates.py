@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 # tenth of the right ones.
 GOAL_RECALL = 0.5
 GOAL_FALSE_FLAG_RATE = 0.10
+GOAL = {"recall_at_least": GOAL_RECALL, "false_flag_rate_at_most": GOAL_FALSE_FLAG_RATE}  # as the reports say it
 SWEEP = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 

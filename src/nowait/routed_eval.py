@@ -40,7 +40,7 @@ from nowait.evaluation import (
 )
 from nowait.extraction.corpus import Document, documents, schema_for
 from nowait.extraction.scorer import score_document
-from nowait.flag_rates import GOAL_FALSE_FLAG_RATE, GOAL_RECALL, floor_report, routed_report, sweep_floors
+from nowait.flag_rates import GOAL, floor_report, routed_report, sweep_floors
 from nowait.gateway.config import GatewayConfig
 from nowait.gateway.dispatch import fallback_cause
 from nowait.gateway.domain import Attempt
@@ -201,8 +201,7 @@ def low_confidence_figures(answers: list[RoutedAnswer], docs: list[Document], fa
                                          [_has_wrong_field(a.text, d) for a, d in rerun], floor, sweep)
     kept = routed_report([a.confidence for a in answers], [_has_wrong_field(a.text, d) for a, d in pairs],
                          [a.engine for a in answers], floors, sweep)
-    return {"goal": {"recall_at_least": GOAL_RECALL, "false_flag_rate_at_most": GOAL_FALSE_FLAG_RATE},
-            "floors": sweep, "engines": engines, "routed": kept}
+    return {"goal": GOAL, "floors": sweep, "engines": engines, "routed": kept}
 
 
 def routed_config(config: GatewayConfig, fast_model: str | None = None, fallback_model: str | None = None,
