@@ -7,7 +7,7 @@ request's first forward), or a ragged decode step (one new token per row of a ba
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -135,10 +135,36 @@ def plan_attention(pattern: AttentionPattern, write: str | None, positions: Tens
                          from_start or (pattern is None and causal_default), kv_heads != heads)
 
 
+def select_queries(plan: AttentionPlan, picked: Tensor, length: int) -> AttentionPlan:
+    """`plan` for the queries at `picked` [B, K] of the forward's `length` new tokens only (the
+    last layer, where only the positions projected onto the vocabulary are read): the same keys,
+    stored as before, and each picked query attending to exactly the keys it attended to.
+
+    A mask shrinks to the picked rows; a causal pattern or an isolated prefix becomes a mask,
+    or no mask where every picked query sees every key (a prefill's last token, a diffusion
+    window after its prompt). The checks read `picked` on the host once per forward."""
+    if plan.kernel == "ragged":  # one new token per row: nothing to leave out
+        return plan
+    mask = plan.sdpa_mask
+    slots = length if plan.write is None else plan.key_slots + (length if plan.write == "read" else 0)
+    if plan.kernel == "isolated":
+        prefix = plan.pattern
+        if not bool((picked >= prefix.queries).all()):
+            keys = torch.arange(slots, device=picked.device) < prefix.keys
+            mask = (keys[None, None, :] | (picked >= prefix.queries)[:, :, None])[:, None]
+    elif mask is not None:  # [B or 1, 1, T, S] -> [B, 1, K, S]
+        mask = mask.expand(picked.shape[0], -1, -1, -1).gather(
+            2, picked[:, None, :, None].expand(-1, -1, -1, mask.shape[-1]))
+    elif plan.causal and not bool((picked == length - 1).all()):  # here the keys are the new tokens
+        mask = (torch.arange(length, device=picked.device)[None, None, :] <= picked[:, :, None])[:, None]
+    return replace(plan, kernel="sdpa", sdpa_mask=mask, causal=False)
+
+
 def attend(plan: AttentionPlan, q: Tensor, k: Tensor, v: Tensor, keys: Tensor | None, values: Tensor | None) -> Tensor:
     """One layer's attention under `plan`: q [B, T, H, D], k and v [B, T, kv_heads, D] (the new
     tokens'), `keys`/`values` the layer's cache [B, kv_heads, slots, D] (None without one);
-    the new keys stored as the plan says. Returns [B, T, H, D]."""
+    the new keys stored as the plan says. Returns [B, T, H, D]; q may hold fewer queries than k
+    and v hold new keys, [B, K, H, D] (`select_queries`), and then so does the result."""
     write, where, slots = plan.write, plan.positions, plan.key_slots
     if write is not None:
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, kv_heads, T, D], the cache's layout
@@ -161,6 +187,8 @@ def attend(plan: AttentionPlan, q: Tensor, k: Tensor, v: Tensor, keys: Tensor | 
             k, v = keys[:, :, :slots].to(q.dtype), values[:, :, :slots].to(q.dtype)
     else:
         k, v = k.transpose(1, 2), v.transpose(1, 2)
+    if q.shape[1] == 0:  # no output read (a prefill that only fills the cache): the keys were the work
+        return q
     if plan.kernel == "ragged":
         return ragged_decode_attention(q, k, v, plan.bias)
     if plan.kernel == "isolated":
