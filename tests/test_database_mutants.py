@@ -79,12 +79,14 @@ def test_a_transaction_takes_the_write_lock_at_its_start(sqlite_db, tmp_path):
     deferred one can, after it read); while another writer holds the lock it waits `timeout_s`."""
     path = tmp_path / "deep" / "store.sqlite"
     waiting = SqliteDatabase(path, timeout_s=0.05)
-    writer = sqlite3.connect(path, isolation_level=None)
+    writer = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     writer.execute("BEGIN IMMEDIATE")
+    later = threading.Timer(0.5, writer.execute, ("ROLLBACK",))  # a wait longer than timeout_s would get it
+    later.start()
     with pytest.raises(sqlite3.OperationalError, match="locked"):
         waiting.transaction(lambda session: session.execute("SELECT 1").fetchall())
     assert waiting.query("SELECT COUNT(*) FROM t")[0][0] == 0  # reading needs no lock (WAL)
-    writer.execute("ROLLBACK")
+    later.join()
     writer.close()
     assert waiting.transaction(lambda session: session.execute("SELECT 7").fetchone()[0]) == 7
     waiting.close()
@@ -199,6 +201,8 @@ def test_a_postgresql_login_refused_is_one_line_without_the_password(postgres_se
 def test_a_postgresql_server_away_is_store_unavailable_and_back_is_used_again(private_postgres):
     database = PostgresDatabase(parse_store_url(private_postgres.url), max_connections=2)
     assert database.query("SELECT 1 AS one") == [{"one": 1}]
+    private_postgres.restart()  # the pooled connection is broken: checked before use, and replaced
+    assert database.query("SELECT 1 AS one") == [{"one": 1}]
     private_postgres.stop()
     with pytest.raises(StoreUnavailable) as caught:
         database.query("SELECT 1 AS one")
@@ -207,4 +211,21 @@ def test_a_postgresql_server_away_is_store_unavailable_and_back_is_used_again(pr
     private_postgres.stop = lambda mode="fast": None  # already stopped: `restart` only starts it again
     private_postgres.restart()
     assert database.query("SELECT 2 AS two") == [{"two": 2}]  # the broken connection was checked and replaced
+    database.close()
+
+
+def test_a_postgresql_pool_holds_up_to_max_connections_at_once(postgres_url):
+    database = PostgresDatabase(parse_store_url(postgres_url), max_connections=2)
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold(session):
+        inside.set()
+        leave.wait(10)
+        return session.execute("SELECT 1 AS one").fetchall()
+    holder = threading.Thread(target=lambda: database.transaction(hold))
+    holder.start()
+    assert inside.wait(10)
+    assert database.query("SELECT 2 AS two") == [{"two": 2}]  # a second connection while the first is held
+    leave.set()
+    holder.join()
     database.close()
