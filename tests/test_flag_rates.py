@@ -38,9 +38,10 @@ def test_no_wrong_answers_leaves_the_recall_undefined_not_zero_or_one():
     assert rates.false_flag_rate == 0.5
 
 
-def test_no_correct_answers_leaves_the_false_flag_rate_undefined_and_the_recall_decides():
+def test_no_correct_answers_leaves_the_false_flag_rate_and_the_goal_undefined():
     rates = floor_rates([0.1, 0.9], [True, True], 0.5)
-    assert rates.false_flag_rate is None and rates.recall == 0.5 and rates.meets_goal is True
+    assert rates.false_flag_rate is None and rates.recall == 0.5 and rates.meets_goal is None
+    assert floor_rates([0.1, 0.9], [True, True], 1.0).meets_goal is None  # flagging all proves nothing
 
 
 def test_no_answers_at_all_give_no_rates():

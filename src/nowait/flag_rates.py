@@ -42,15 +42,15 @@ class FloorRates:
     correct_flagged: int
     recall: float | None  # wrong_flagged / wrong; None without wrong answers
     false_flag_rate: float | None  # correct_flagged / correct; None without correct answers
-    meets_goal: bool | None  # recall >= GOAL_RECALL and false flags <= GOAL_FALSE_FLAG_RATE; None if undefined
+    meets_goal: bool | None  # recall >= GOAL_RECALL, false flags <= GOAL_FALSE_FLAG_RATE; None: either undefined
 
 
 def _rates(floor: float | None, n_wrong: int, wrong_flagged: int, n_correct: int, correct_flagged: int) -> FloorRates:
     recall, false_flags = _rate(wrong_flagged, n_wrong), _rate(correct_flagged, n_correct)
-    # No wrong answers: nothing to catch, so the goal is undefined. No correct ones: none can be
-    # flagged falsely, so the recall alone decides.
-    meets = None if recall is None else recall >= GOAL_RECALL and (false_flags is None
-                                                                    or false_flags <= GOAL_FALSE_FLAG_RATE)
+    # Undefined unless both classes are there: with no correct answers even a floor that flags
+    # everything would look perfect, with no wrong ones there is nothing to catch.
+    meets = (None if recall is None or false_flags is None
+             else recall >= GOAL_RECALL and false_flags <= GOAL_FALSE_FLAG_RATE)
     return FloorRates(floor, n_wrong, wrong_flagged, n_correct, correct_flagged, recall, false_flags, meets)
 
 
