@@ -368,6 +368,10 @@ def test_the_wal_header_moves_with_every_commit_of_any_connection(tmp_path):
     assert header.read() is None
     database.close()
     assert WalHeader(tmp_path / "none.sqlite").read() is None  # no -shm file: nothing to read
+    (tmp_path / "short.sqlite-shm").write_bytes(b"\0" * (HEADER_BYTES - 1))
+    assert WalHeader(tmp_path / "short.sqlite").read() is None  # shorter than a header: none mapped
+    (tmp_path / "exact.sqlite-shm").write_bytes(bytes(range(HEADER_BYTES)))
+    assert WalHeader(tmp_path / "exact.sqlite").read() == bytes(range(HEADER_BYTES))
 
 
 class CountedStatements:

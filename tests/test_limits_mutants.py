@@ -34,6 +34,7 @@ def test_a_utc_day_ends_at_midnight_utc_whatever_the_local_zone(monkeypatch):
     try:
         assert utc_day(0) == 0 and utc_day(DAY - 3600) == 0  # 08:00 the next day in Tokyo
         assert utc_day(DAY) == 1
+        assert utc_day(-1) == -1  # a clock before 1970 (a test's) still falls on whole days
         noon = datetime(2026, 12, 2, 12, tzinfo=timezone.utc).timestamp()
         assert utc_day(noon) == (date(2026, 12, 2) - date(1970, 1, 1)).days
     finally:

@@ -75,7 +75,7 @@ class Authenticator:
             secret = token.decode("ascii")
         except UnicodeDecodeError:
             return None
-        return self.store.find(secret) if secret else None
+        return self.store.find(secret)
 
     def caller(self, token: bytes, record: KeyRecord | None = None) -> Caller:
         """The caller a /v1 key stands for, or a 401 that says only what the client may know;
