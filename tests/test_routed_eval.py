@@ -153,6 +153,12 @@ def test_eval_routed_on_the_bundled_models_falls_back_as_the_threshold_says(tmp_
     assert nothing["settings"]["confidence_threshold_source"] == "routing.confidence_threshold"
 
 
+def test_eval_routed_on_mixed_documents_reports_the_flags_per_tier_and_keeps_the_tier():
+    result = eval_routed("--tier", "mixed", "--threshold", "0")
+    assert result["tier"] == "mixed" and set(result["per_tier"]) == {"clean", "hard"}
+    assert sum(e["low_confidence"]["routed"]["n"] for e in result["per_tier"].values()) == 3
+
+
 def test_eval_routed_prints_the_low_confidence_table():
     result = runner.invoke(app, ["eval", "--engine", "routed", "--n", "1", "--threads", "1", "--threshold", "2"])
     assert result.exit_code == 0, result.output

@@ -263,8 +263,8 @@ def run_routed_eval(config: GatewayConfig, n: int, split: str = "test", seed: in
     result = routed_metrics(answers, docs)
     floors = {name: confidence_floor(name, policy) for name in (fast.name, fallback.name)}
     result["low_confidence"] = low_confidence_figures(answers, docs, fast.name, floors)
-    for tier, entry in result.get("per_tier", {}).items():
-        mine = [i for i, d in enumerate(docs) if d.tier == tier]
+    for name, entry in result.get("per_tier", {}).items():
+        mine = [i for i, d in enumerate(docs) if d.tier == name]
         entry["low_confidence"] = low_confidence_figures([answers[i] for i in mine], [docs[i] for i in mine],
                                                          fast.name, floors)
     result["tier"], result["elapsed_s"] = tier, round(time.perf_counter() - started, 2)
