@@ -4,11 +4,12 @@
 
 Starts one worker process per checkout (PYTHONPATH = its src), each loading the bundled models
 once, then asks them in turn for the same measurement, `rounds` times, so a shared machine's
-changing load falls on both alike. Measured: a raw decode forward at batch 1 at context ~189 and
-~0 (best of many), a diffusion block forward (32 new tokens over a 170-token cached prompt),
-the AR engine's per-step time over a whole test document and the document's time, and 64
-documents with continuous batching (output tokens/s). Each as wall time and as this thread's
-CPU time (one torch thread: on a loaded machine the CPU time leaves out the waits for a core).
+changing load falls on both alike. Measured: the engine's first token for a test document's
+prompt (its prefill), a raw decode forward at batch 1 at context ~189 and ~0 (best of many), a
+diffusion block forward (32 new tokens over a 170-token cached prompt), the AR engine's per-step
+time over a whole test document and the document's time, and 64 documents with continuous
+batching (output tokens/s). Each as wall time and as this thread's CPU time (one torch thread:
+on a loaded machine the CPU time leaves out the waits for a core).
 Prints each side's median, the speedup (how many times faster the new side is), whether the
 greedy tokens are identical, and the operations one decode step and one block step dispatch.
 """
@@ -26,7 +27,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 NEW_SRC = HERE.parent.parent / "src"
-CASES = ("decode_189", "decode_0", "diffusion_block", "engine_doc", "batch_64")
+CASES = ("prefill", "decode_189", "decode_0", "diffusion_block", "engine_doc", "batch_64")
 COUNTS = ("decode_ops", "diffusion_block_ops")  # counted once, not timed
 
 
@@ -115,6 +116,16 @@ def worker(threads: int, n_docs: int) -> None:
         ar.model(torch.randint(0, 1000, (1, 189)), cache)
         return count_ops(lambda: ar.model(torch.tensor([[5]]), cache))
 
+    def prefill() -> dict:
+        """The first token of the first test document through the engine (its prefill and the
+        first sample; no prefix cache), best of many."""
+        first: list = []
+
+        def run() -> None:
+            first[:] = engine.generate([GenerationRequest(prompts[0], SamplingParams(max_tokens=1))])
+        timed = best(run)
+        return {**timed, "tokens": [len(prompts[0]), first[0].token_ids]}
+
     def engine_doc() -> dict:
         total, cpu, steps, step_cpu, tokens = 0.0, 0.0, [], [], []
         for prompt in prompts[:n_docs]:
@@ -143,8 +154,10 @@ def worker(threads: int, n_docs: int) -> None:
     engine.generate(requests(prompts[:64]))  # warm-up: first-call allocations stay out
     for line in sys.stdin:
         case = line.strip()
-        if case == "decode_189":
-            result: dict = decode(189)
+        if case == "prefill":
+            result: dict = prefill()
+        elif case == "decode_189":
+            result = decode(189)
         elif case == "decode_0":
             result = decode(0)
         elif case == "diffusion_block":
