@@ -13,8 +13,8 @@ from dataclasses import asdict
 
 import pytest
 
+from nowait.gateway.audit import AuditLog, read_audit_log, store_log, verify_audit_log
 from nowait.gateway.audit import log as audit_log
-from nowait.gateway.audit import store_log
 from nowait.gateway.audit.spend import since_timestamp, spend, spend_json
 from nowait.gateway.audit.store_log import StoreAuditLog, read_store_audit_log, store_spent_since
 from nowait.gateway.audit.store_verify import verify_store
@@ -184,6 +184,8 @@ SPEND_ENTRIES = [  # costs in powers of two, so every sum is exact
     {"tenant": "a", "status": 200, "time": 30.0, "cost_usd": 0.5625, "fallback_cause": "low_confidence",
      "engines_tried": [run("diffusion", 7, 8, 0.0625), run("ar", 9, 10, 0.5)]},
     {"tenant": "b", "status": 200, "time": 40.0, "cost_usd": 0.25, "engines_tried": []},
+    {"tenant": "c", "status": 200, "time": 50.0, "cost_usd": 0.5, "fallback_cause": "engine_failure",
+     "engines_tried": [run("diffusion", 1, 1, 0.25), run("ar", 1, 1, 0.25)]},
 ]
 
 
@@ -193,16 +195,30 @@ def rows_of(rows) -> list[tuple]:
 
 
 def test_spend_by_tenant_counts_each_request_once_with_its_runs_tokens_largest_cost_first():
-    assert rows_of(spend(SPEND_ENTRIES)) == [("a", 2, 0, 24, 28, 1.0625), ("b", 1, 0, 0, 0, 0.25),
-                                             ("default", 2, 1, 2, 1, 0.25)]  # a tie: by name
-    assert rows_of(spend(SPEND_ENTRIES, since=1.0)) == [("a", 2, 0, 24, 28, 1.0625), ("b", 1, 0, 0, 0, 0.25),
-                                                        ("default", 1, 1, 0, 1, 0.25)]  # no time: before any since
-    assert [name for name in spend(SPEND_ENTRIES, since=30.0)] == ["a", "b"]  # at `since` counts
+    assert rows_of(spend(SPEND_ENTRIES)) == [("a", 2, 0, 24, 28, 1.0625), ("c", 1, 0, 2, 2, 0.5),
+                                             ("b", 1, 0, 0, 0, 0.25), ("default", 2, 1, 2, 1, 0.25)]  # a tie: by name
+    assert rows_of(spend(SPEND_ENTRIES, since=1.0))[-1] == ("default", 1, 1, 0, 1, 0.25)  # no time: before any since
+    assert [name for name in spend(SPEND_ENTRIES, since=30.0)] == ["a", "c", "b"]  # at `since` counts
 
 
 def test_spend_by_engine_fails_an_earlier_run_only_when_it_is_why_the_request_moved_on():
     rows = spend(SPEND_ENTRIES, by="engine")
-    assert rows_of(rows) == [("ar", 3, 1, 14, 17, 1.125), ("diffusion", 2, 1, 10, 12, 0.1875), ("?", 1, 0, 2, 0, 0.0)]
+    assert rows_of(rows) == [("ar", 4, 1, 15, 18, 1.375), ("diffusion", 3, 2, 11, 13, 0.4375), ("?", 1, 0, 2, 0, 0.0)]
     assert spend_json(rows, "engine", 5.0) == {
         "by": "engine", "since": 5.0, "rows": {name: asdict(row) for name, row in rows.items()},
-        "total": {"requests": 6, "errors": 2, "prompt_tokens": 26, "completion_tokens": 29, "cost_usd": 1.3125}}
+        "total": {"requests": 8, "errors": 3, "prompt_tokens": 28, "completion_tokens": 31, "cost_usd": 1.8125}}
+
+
+def test_a_verdict_as_json_and_an_entrys_time_in_milliseconds(tmp_path, database):
+    path = tmp_path / "audit.jsonl"
+    writer = AuditLog(path)
+    writer.record({"request_id": "req-0"})
+    writer.close()
+    verdict = verify_audit_log(path)
+    assert verdict.as_json() == {"ok": True, "path": str(path), "entries": 1, "replicas": {
+        "local": {"entries": 1, "last_seq": 0, "last_hash": writer.last_hash, "last_line": 1}},
+        "torn_lines": [], "broken": None}
+    stored = StoreAuditLog(database, "r1")
+    stored.record({"request_id": "req-0"})
+    stored.close()
+    assert type(read_audit_log(path)[0]["time"]) is float and type(read_store_audit_log(database)[0]["time"]) is float
