@@ -24,6 +24,7 @@ from nowait.extraction.hard import HELD_OUT_SHARE, render_hard
 from nowait.extraction.instructions import KIND_TITLES as KIND_TITLES
 from nowait.extraction.instructions import draw_instruction
 from nowait.extraction.kinds import KIND_SPECS
+from nowait.extraction.noise import damage_label
 from nowait.extraction.values import Style
 
 KINDS = ("kyc", "letter_of_credit", "loan_application")
@@ -62,21 +63,11 @@ def schema_for(kind: str) -> dict:
 _OCR_SWAPS = (("o", "0"), ("O", "0"), ("l", "1"), ("I", "l"), ("m", "rn"), ("e", "c"))
 
 
-def _ocr_noise(label: str, rng: random.Random) -> str:
-    """OCR-like damage, applied only to labels so that the ground truth stays recoverable."""
-    candidates = [(a, b) for a, b in _OCR_SWAPS if a in label]
-    if not candidates:
-        return label
-    a, b = rng.choice(candidates)
-    at = rng.choice([i for i in range(len(label)) if label.startswith(a, i)])
-    return label[:at] + b + label[at + len(a):]
-
-
 def _label_text(label: str, style: Style, noise_rate: float) -> str:
     if style.varied() and style.rng.random() < 0.25:
         label = style.rng.choice([label.upper(), label.lower()])
     if style.varied() and style.rng.random() < noise_rate:
-        label = _ocr_noise(label, style.rng)
+        label = damage_label(label, style.rng, _OCR_SWAPS)  # labels only: the truth stays
     return label
 
 

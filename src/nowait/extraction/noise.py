@@ -21,9 +21,11 @@ STRAY_LINES = ("~ ~ ~", ". . .", "[ ]", "____", "|", "* * *", "[stamp: RECEIVED]
 STRAY_PREFIXES = ("` ", "' ", "| ", ". ", "~ ", "* ")
 
 
-def damage_label(label: str, rng: random.Random) -> str:
-    """One OCR confusion in a label (labels carry no truth, so any character may go)."""
-    candidates = [(a, b) for a, b in LABEL_SWAPS if a in label]
+def damage_label(label: str, rng: random.Random,
+                 swaps: tuple[tuple[str, str], ...] = LABEL_SWAPS) -> str:
+    """One OCR confusion in a label (labels carry no truth, so any character may go); the clean
+    tier draws from fewer `swaps` than the hard tier's."""
+    candidates = [(a, b) for a, b in swaps if a in label]
     if not candidates:
         return label
     a, b = rng.choice(candidates)
