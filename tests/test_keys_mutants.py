@@ -400,6 +400,7 @@ def test_while_the_wal_header_stays_the_same_a_lookup_runs_no_statement(tmp_path
     assert server.find(secret).revoked_at is not None
     assert statements.run[4:] == ["PRAGMA", "SELECT"]
     server.close()
+    assert server._wal.read() is None  # the mapping goes with the store
     command.close()
 
 

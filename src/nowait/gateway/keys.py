@@ -167,7 +167,7 @@ class SqlKeyStore:
         self._version = -1
         # The wal-index header seen at the last data_version check: while it reads the same, no
         # connection has committed since, and the check needs no statement (store/wal_header.py).
-        self._wal = WalHeader(database.url.path) if database.dialect == "sqlite" and database.url.path else None
+        self._wal = WalHeader(database.url.path) if database.dialect == "sqlite" else None  # SQLite only
         self._header: bytes | None = None
         self._closed = False
         self._lock = threading.Lock()
@@ -196,10 +196,10 @@ class SqlKeyStore:
 
     def _fresh(self) -> None:
         """Drop what was read if another connection wrote since (SQLite's data_version)."""
-        if self.database.dialect != "sqlite":
+        if self._wal is None:  # PostgreSQL: no such counter (FIND_CACHE_S alone bounds a read's age)
             return
         # Read before data_version, so that the header kept is never newer than the version.
-        header = self._wal.read() if self._wal is not None else None
+        header = self._wal.read()
         if header is not None and header == self._header:
             return  # no commit since the last check
         version = self.database.query("PRAGMA data_version")[0][0]
