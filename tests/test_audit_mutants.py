@@ -222,3 +222,44 @@ def test_a_verdict_as_json_and_an_entrys_time_in_milliseconds(tmp_path, database
     stored.record({"request_id": "req-0"})
     stored.close()
     assert type(read_audit_log(path)[0]["time"]) is float and type(read_store_audit_log(database)[0]["time"]) is float
+
+
+@pytest.mark.parametrize(("error", "said"), [("connection refused\nDETAIL: more", "connection refused"),
+                                             ("", "StoreUnavailable")])
+def test_an_outage_is_warned_once_and_its_end_once_and_the_chain_end_logged(database, monkeypatch, caplog, error, said):
+    monkeypatch.setattr(store_log, "RETRY_FIRST_S", 0.01)
+    real, failures = database.transaction, [StoreUnavailable(error), StoreUnavailable(error)]
+
+    def flaky(work):
+        if failures:
+            raise failures.pop(0)
+        return real(work)
+    log = StoreAuditLog(database, "r1")
+    monkeypatch.setattr(database, "transaction", flaky)
+    with caplog.at_level(logging.INFO, logger="nowait.gateway"):
+        log.record({"request_id": "req-0"})
+        assert log.flush(5)
+        log.close()
+    url = database.url.redacted
+    assert [r.getMessage() for r in caplog.records] == [
+        f"audit log in {url}: 1 entr(ies) queued, not written ({said}): retrying",
+        f"audit log in {url}: written again (0 entr(ies) still queued)",
+        f"audit log in {url}: chain 'r1' ends at entry 0, hash {log.last_hash}"]
+
+
+def test_a_store_back_within_the_close_wait_gets_the_queued_entries(database, monkeypatch):
+    monkeypatch.setattr(store_log, "RETRY_FIRST_S", 0.01)
+    monkeypatch.setattr(store_log, "CLOSE_WAIT_S", 5.0)
+    real, down = database.transaction, threading.Event()
+    down.set()
+
+    def unreachable(work):
+        if down.is_set():
+            raise StoreUnavailable("the store is unavailable")
+        return real(work)
+    log = StoreAuditLog(database, "r1")
+    monkeypatch.setattr(database, "transaction", unreachable)
+    log.record({"request_id": "req-0"})
+    threading.Timer(0.2, down.clear).start()
+    log.close()  # waits for the store, which comes back before CLOSE_WAIT_S
+    assert [e["request_id"] for e in read_store_audit_log(database)] == ["req-0"]
