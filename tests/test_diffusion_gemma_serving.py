@@ -87,6 +87,28 @@ def test_streaming_sends_blocks_that_add_up_to_the_answer(engine):
     assert sum(len(chunk.token_ids) for chunk in chunks) == len(expected.token_ids)
 
 
+class ThreeByteCodec:
+    """Three ids a character, as three bytes of UTF-8 are: a count that is no multiple of three
+    ends in part of a character, which decodes as U+FFFD, as a byte-level tokenizer's does."""
+
+    def decode(self, ids: list[int]) -> str:
+        whole = "".join(chr(0x4E00 + sum(ids[i:i + 3]) % 500) for i in range(0, len(ids) - 2, 3))
+        return whole + ("\ufffd" if len(ids) % 3 else "")
+
+
+def test_a_stream_never_sends_part_of_a_character(checkpoint):
+    assert CANVAS % 3  # so that blocks end inside a character
+    engine = build_engine(DiffusionEngineConfig(kind="diffusion", model=str(checkpoint)), ModelCache()).engine
+    engine.codec = ThreeByteCodec()
+    request = GenerationRequest(PROMPT, SamplingParams(max_tokens=4 * CANVAS, seed=3))
+    chunks = list(engine.stream(request))
+    [expected] = engine.generate([GenerationRequest(PROMPT, SamplingParams(max_tokens=4 * CANVAS, seed=3))])
+    assert len(expected.token_ids) > CANVAS  # more than one block, so a block boundary was crossed
+    assert "".join(chunk.text for chunk in chunks) == expected.text
+    assert not any(chunk.text.endswith("\ufffd") for chunk in chunks[:-1])
+    assert sum(len(chunk.token_ids) for chunk in chunks) == len(expected.token_ids)
+
+
 @pytest.mark.parametrize(("change", "message"), [
     ({"schema": {"type": "object", "properties": {"a": {"type": "string"}}}}, "^schema: "),
     ({"sampling": SamplingParams(top_p=0.5)}, "top_p and top_k"),

@@ -109,6 +109,8 @@ class DiffusionGemmaEngine:
             blocks.append(block)
             partial = answer_of(blocks, max_tokens, self.end_ids).tokens
             text = self.codec.decode(partial)
+            if text.endswith("\ufffd"):  # a block ended inside a UTF-8 character: wait for the rest
+                continue
             if len(text) > len(sent_text) and text.startswith(sent_text):
                 logprobs = block_logprobs(blocks)
                 yield StreamChunk(text=text[len(sent_text):], token_ids=partial[sent_ids:],
