@@ -25,6 +25,16 @@ def store(tmp_path):
     opened.close()
 
 
+async def both_lines_hanging(store, batch_id: str) -> tuple[asyncio.Task, asyncio.Event]:
+    """A runner of two lanes processing the batch, its first two lines held until the gate opens."""
+    gate = asyncio.Event()
+    execute = Executor(gate=gate)
+    task = asyncio.create_task(BatchRunner(store, execute, 2, replica="r1")._process(batch_id))
+    while execute.running < 2:
+        await REAL_SLEEP(0.005)
+    return task, gate
+
+
 def test_the_leases_of_the_lines_being_answered_are_renewed_for_this_batch(store, monkeypatch):
     Sleeps(monkeypatch)
     batch_id = new_batch(store, 3)
@@ -98,11 +108,7 @@ def test_a_batch_cancelled_while_lines_run_is_seen_within_a_poll_and_those_lines
     monkeypatch.setattr(store, "status", status)
 
     async def main() -> None:
-        gate = asyncio.Event()
-        execute = Executor(gate=gate)
-        task = asyncio.create_task(BatchRunner(store, execute, 2, replica="r1")._process(batch_id))
-        while execute.running < 2:
-            await REAL_SLEEP(0.005)
+        task, gate = await both_lines_hanging(store, batch_id)
         assert store.request_cancel(batch_id)
         seen = len(reads)
         for _ in range(400):  # the lines still hang: the loop looks again within a poll
@@ -182,11 +188,7 @@ def test_a_runner_stopped_mid_batch_while_the_store_is_away_still_stops(store, m
     monkeypatch.setattr(store, "release", release)
 
     async def main() -> None:
-        gate = asyncio.Event()
-        execute = Executor(gate=gate)
-        task = asyncio.create_task(BatchRunner(store, execute, 2, replica="r1")._process(batch_id))
-        while execute.running < 2:
-            await REAL_SLEEP(0.005)
+        task, _ = await both_lines_hanging(store, batch_id)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):  # the leases expire instead of being given back
             await task
