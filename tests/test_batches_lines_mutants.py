@@ -25,6 +25,17 @@ def store(tmp_path):
     opened.close()
 
 
+def recorded(monkeypatch, store, name: str) -> list[tuple]:
+    """The arguments of every call to the store's method `name`, which still runs."""
+    real, calls = getattr(store, name), []
+
+    def record(*args):
+        calls.append(args)
+        return real(*args)
+    monkeypatch.setattr(store, name, record)
+    return calls
+
+
 async def both_lines_hanging(store, batch_id: str) -> tuple[asyncio.Task, asyncio.Event]:
     """A runner of two lanes processing the batch, its first two lines held until the gate opens."""
     gate = asyncio.Event()
@@ -38,12 +49,7 @@ async def both_lines_hanging(store, batch_id: str) -> tuple[asyncio.Task, asynci
 def test_the_leases_of_the_lines_being_answered_are_renewed_for_this_batch(store, monkeypatch):
     Sleeps(monkeypatch)
     batch_id = new_batch(store, 3)
-    real, renewed = store.renew, []
-
-    def renew(*args):
-        renewed.append(args)
-        return real(*args)
-    monkeypatch.setattr(store, "renew", renew)
+    renewed = recorded(monkeypatch, store, "renew")
 
     async def main() -> BatchRunner:
         gate = asyncio.Event()
@@ -63,12 +69,8 @@ def test_the_batch_status_is_read_once_per_poll_not_once_per_line(store, monkeyp
     Sleeps(monkeypatch)
     monkeypatch.setattr(batches, "POLL_S", 30.0)  # no poll falls due during the run
     batch_id = new_batch(store, 12)
-    real, reads = store.status, []
-
-    def status(*args):
-        reads.append(args)
-        return real(*args)
-    monkeypatch.setattr(store, "status", status)
+    real = store.status
+    reads = recorded(monkeypatch, store, "status")
     asyncio.run(asyncio.wait_for(BatchRunner(store, Executor(), 1, replica="r1")._process(batch_id), 30))
     assert real(batch_id) == "completed"
     # _process reads it before and after the loop; the loop once, at its start
@@ -99,13 +101,7 @@ def test_a_batch_cancelled_while_lines_run_is_seen_within_a_poll_and_those_lines
     Sleeps(monkeypatch)
     monkeypatch.setattr(batches, "POLL_S", 0.05)
     batch_id = new_batch(store, 3)
-    reads = []
-    real = store.status
-
-    def status(*args):
-        reads.append(args)
-        return real(*args)
-    monkeypatch.setattr(store, "status", status)
+    reads = recorded(monkeypatch, store, "status")
 
     async def main() -> None:
         task, gate = await both_lines_hanging(store, batch_id)
