@@ -25,13 +25,24 @@ FLOOR_KEYS = ("step_ms", "compute_floor_ms", "overhead_share", "step_flops")
 
 
 def independent_flops(model, new_tokens: int, cached: int, outputs: int) -> float:
-    """One row's FLOPs, from the module tree: 2 per weight of every linear layer per token, the
-    head's 2 per weight per projected position, attention's QK^T and AV over every visible key."""
+    """One row's FLOPs, from the module tree: 2 per weight of every linear layer per position it
+    runs on, the head's 2 per weight per projected position, attention's QK^T and AV over every
+    visible key. Every layer runs on every new token, but the last one (Block.forward's `picked`)
+    only projects every token's q/k/v: its attention, output projection and MLP run on the
+    `outputs` positions read."""
     c = model.config
-    linear = sum(m.weight.numel() for layer in model.layers for m in layer.modules() if isinstance(m, nn.Linear))
+    last = len(model.layers) - 1
+
+    def weights(layer, qkv: bool) -> int:
+        return sum(m.weight.numel() for name, m in layer.named_modules()
+                   if isinstance(m, nn.Linear) and (name == "self_attn.qkv_proj") == qkv)
+
+    rows = [new_tokens if i < last else min(outputs, new_tokens) for i in range(len(model.layers))]
+    linear = sum(weights(layer, True) * new_tokens + weights(layer, False) * r
+                 for layer, r in zip(model.layers, rows, strict=True))
     head = model.output_weight().numel()
-    attention = 4 * c.num_heads * c.head_dim * new_tokens * (cached + new_tokens) * c.num_layers
-    return 2 * linear * new_tokens + 2 * head * outputs + attention
+    attention = sum(4 * c.num_heads * c.head_dim * r * (cached + new_tokens) for r in rows)
+    return 2 * linear + 2 * head * outputs + attention
 
 
 def check_floor(entry: dict, peak: float) -> None:

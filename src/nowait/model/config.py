@@ -68,21 +68,30 @@ class ModelConfig:
         FLOPs per (query, key) pair. Bytes: every weight read once per forward (the reason AR
         decode at batch 1 is memory-bound), the cache read, the new keys/values written, and
         the activations entering and leaving each layer. `output_tokens`: the positions per
-        sequence projected onto the vocabulary (default: every new token; a prefill asks for
-        its last one only, `Transformer.forward`'s `output_positions`).
+        sequence that are read, projected onto the vocabulary (default: every new token; a
+        prefill asks for its last one only, `Transformer.forward`'s `output_positions`). The
+        last layer computes every position's q/k/v (each key and value is stored) but its
+        queries, attention, output projection and MLP for the read positions only
+        (`nowait.model.attention.select_queries`), so those are counted for them alone.
         """
         d, hd, layers = self.hidden_size, self.head_dim, self.num_layers
         tokens = new_tokens * batch
         outputs = tokens if output_tokens is None else output_tokens * batch
-        linear_weights = self.parameter_count(include_embeddings=False) - (2 * layers + 1) * d
+        # The last layer's rows of position-wise work: the model leaves out only what is unread.
+        read = tokens if output_tokens is None else min(output_tokens, new_tokens) * batch
+        rows = tokens * (layers - 1) + read if layers else 0  # position-wise rows over all layers
+        qkv_weights = (d + self.qkv_bias) * hd * (self.num_heads + 2 * self.num_kv_heads)
+        position_wise_weights = self.num_heads * hd * d + 3 * d * self.intermediate_size  # o_proj, MLP
         head_weights = self.vocab_size * d
         keys_per_query = cached_tokens + new_tokens
-        attention_flops = 4 * self.num_heads * hd * new_tokens * keys_per_query * batch * layers
-        flops = 2 * linear_weights * tokens + 2 * head_weights * outputs + attention_flops
+        attention_flops = 4 * self.num_heads * hd * rows * keys_per_query
+        flops = (2 * qkv_weights * tokens * layers + 2 * position_wise_weights * rows + 2 * head_weights * outputs
+                 + attention_flops)
         kv_per_token = 2 * self.num_kv_heads * hd * layers
         weight_bytes = (self.parameter_count(include_embeddings=False) + head_weights) * dtype_bytes
         cache_bytes = (cached_tokens * batch + tokens) * kv_per_token * dtype_bytes
-        activation_bytes = 2 * tokens * d * layers * dtype_bytes + outputs * self.vocab_size * dtype_bytes
+        # activations into every layer and out of each: all rows, but the last layer's read rows only
+        activation_bytes = (tokens * layers + rows) * d * dtype_bytes + outputs * self.vocab_size * dtype_bytes
         return ForwardCost(flops=float(flops), bytes=float(weight_bytes + cache_bytes + activation_bytes))
 
 
