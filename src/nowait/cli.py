@@ -236,6 +236,22 @@ def generate(
     err_console.print(", ".join(f"{k}={record[k]}" for k in stats), style="dim", highlight=False)
 
 
+@app.command("export-gguf")
+def export_gguf(
+    model_dir: str = typer.Argument(..., help="causal Llama checkpoint directory or bundled model (ar, draft)"),
+    out: Path = typer.Argument(..., help="the GGUF file to write"),
+) -> None:
+    """Write a checkpoint as one GGUF file (f32, tokenizer included) that llama.cpp runs (docs/bench.md)."""
+    from nowait.export_gguf import ExportError
+    from nowait.export_gguf import export_gguf as write_gguf
+
+    try:
+        written = write_gguf(load_model(model_dir), out)
+    except ExportError as error:
+        fail(str(error))
+    console.print_json(json.dumps(written))
+
+
 def main() -> None:
     app()
 
