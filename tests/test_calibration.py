@@ -111,3 +111,39 @@ def test_calibrate_refuses_bad_arguments(tmp_path, codec):
         result = runner.invoke(app, ["calibrate", "--model", models["diffusion"], "--ar-model", models["ar"], *args])
         assert result.exit_code != 0 and message in result.output, (args, result.output)
     assert calibrated_threshold(tmp_path / "diffusion") is None
+
+
+def test_calibrate_seed_draws_fresh_documents_and_records_the_seed(tmp_path, codec, monkeypatch):
+    import nowait.extraction.corpus as corpus
+
+    models = save_tiny_models(tmp_path, codec)
+    drawn: list[list[str]] = []
+    real = corpus.documents
+
+    def recording(*args, **kwargs):
+        docs = real(*args, **kwargs)
+        drawn.append([d.doc_id for d in docs])
+        return docs
+
+    monkeypatch.setattr(corpus, "documents", recording)
+
+    def run(*args: str) -> dict:
+        result = CliRunner().invoke(app, ["calibrate", "--model", models["diffusion"], "--ar-model", models["ar"],
+                                          "--n", "3", "--batch-size", "3", "--target", "0.5", "--no-write", "--json",
+                                          *args])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    first, again, other, validation = run("--seed", "11"), run("--seed", "11"), run("--seed", "12"), run()
+    assert first["seed"] == 11 and first["split"] is None and other["seed"] == 12
+    assert validation["seed"] is None and validation["split"] == "validation"
+    assert drawn[0] == drawn[1] == [d.doc_id for d in real(None, 3, seed=11)]
+    assert drawn[0] != drawn[2] and drawn[0] != drawn[3] and drawn[2] != drawn[3]
+    assert first == again  # the same seed, the same documents, the same result
+    assert first["curve"] != other["curve"]  # other documents, other confidences
+    # a seed is not the test split: choosing a threshold on it may be written
+    written = CliRunner().invoke(app, ["calibrate", "--model", models["diffusion"], "--ar-model", models["ar"],
+                                       "--n", "2", "--batch-size", "2", "--target", "0.5", "--split", "test",
+                                       "--seed", "11", "--json"])
+    assert written.exit_code == 0, written.output
+    assert json.loads((tmp_path / "diffusion" / CALIBRATION_FILE).read_text())["seed"] == 11

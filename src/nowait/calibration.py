@@ -195,14 +195,14 @@ def per_tier_figures(answers: Sequence[ScoredAnswer], tiers: Sequence[str], thre
 
 def calibrate(diffusion_model, ar_model, codec, n: int = 200, split: str = "validation", structured: bool = True,
               target_field_accuracy: float | None = None, batch_size: int = 8,
-              on_batch: Callable[[int], None] | None = None, tier: str = "clean") -> dict:
-    """Decode n held-out documents of a corpus tier with the diffusion engine's defaults (and
-    greedy AR, the fallback) and choose the threshold. The target defaults to AR's field
-    accuracy on them."""
+              on_batch: Callable[[int], None] | None = None, tier: str = "clean", seed: int | None = None) -> dict:
+    """Decode n held-out documents of a corpus tier (a split's, or with `seed` a fresh sample's,
+    as `nowait eval` takes them) with the diffusion engine's defaults (and greedy AR, the
+    fallback) and choose the threshold. The target defaults to AR's field accuracy on them."""
     from nowait.evaluation import decode_records
     from nowait.extraction.corpus import documents
 
-    docs = documents(split, n, tier=tier)
+    docs = documents(split, n, seed=seed, tier=tier)
     diffusion_model.eval()
     records = decode_records(diffusion_model, codec, "diffusion", docs, batch_size, structured=structured,
                              on_batch=on_batch)
@@ -226,7 +226,8 @@ def calibrate(diffusion_model, ar_model, codec, n: int = 200, split: str = "vali
     tiers = [d.tier for d in docs]
     by_tier = {"per_tier": per_tier_figures(answers, tiers, choice.threshold)} if len(set(tiers)) > 1 else {}
     return {"confidence_threshold": choice.threshold, **{k: v for k, v in asdict(choice).items() if k != "threshold"},
-            "ar_field_accuracy": ar_accuracy, "n": n, "split": split, "tier": tier, **by_tier,
+            "ar_field_accuracy": ar_accuracy, "n": n, "split": None if seed is not None else split, "seed": seed,
+            "tier": tier, **by_tier,
             "structured": structured,
             "confidence_kind": "min_token_probability",
             "per_kind": per_kind_thresholds(answers, target_field_accuracy if explicit_target else None),
