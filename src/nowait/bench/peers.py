@@ -16,6 +16,7 @@ import json
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from nowait.extraction.corpus import Document
 
 PEER_ENGINE = "transformers"
+LLAMA_CPP = "llama.cpp"
 NOWAIT = "nowait"
 MISSING = ("bench peers needs transformers, the optional extra: pip install 'nowait[peers]' "
            "(transformers==5.23.0)")
@@ -192,10 +194,12 @@ def peers(
     max_tokens: int = typer.Option(160, min=1, help="output tokens at most per document"),
     rounds: int = typer.Option(3, min=1, help="batched runs per engine at each batch above 1 (median kept)"),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N"),
-    threads: int = typer.Option(None, min=1, help="CPU threads (default: torch's choice)"),
+    threads: int = typer.Option(None, min=1, help="CPU threads (default: torch's choice); llama.cpp gets as many"),
+    peer: str = typer.Option(PEER_ENGINE, "--peer", help="transformers, or llama.cpp (batch 1, needs --gguf)"),
+    gguf: Path = typer.Option(None, "--gguf", help="llama.cpp's weights: the file `nowait export-gguf` wrote"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
-    """nowait's AR engine and continuous batching vs transformers' generate on the same weights."""
+    """nowait's AR engine and continuous batching vs transformers' generate (or llama.cpp) on the same weights."""
     import torch
 
     from nowait.checkpoints import check_device
@@ -209,8 +213,13 @@ def peers(
         levels = ()
     if not levels or min(levels) < 1:
         fail(f"--batches must be positive integers separated by commas, got {batches!r}")
+    if peer not in (PEER_ENGINE, LLAMA_CPP):
+        fail(f"unknown --peer {peer!r}; choose {PEER_ENGINE} or {LLAMA_CPP}")
     if threads:
         torch.set_num_threads(threads)
+    if peer == LLAMA_CPP:
+        _llama_cpp_peer(model, gguf, n, max_tokens, device, as_json)
+        return
     try:
         import_transformers()
         check_device(device)
@@ -237,3 +246,33 @@ def peers(
     for key, value in report["ratios"].items():
         typer.echo(f"{key}: {value}x")
 
+
+
+def _llama_cpp_peer(model: str, gguf: Path | None, n: int, max_tokens: int, device: str, as_json: bool) -> None:
+    """`--peer llama.cpp` (`nowait.bench.peers_llamacpp`): batch 1 on the CPU, both at torch's thread count."""
+    import torch
+
+    from nowait.bench.peers_llamacpp import LlamaCppError, import_llama_cpp, measure_llama_cpp, print_llama_cpp
+    from nowait.cli_errors import fail
+    from nowait.engines.factory import ModelCache
+    from nowait.extraction.corpus import documents
+
+    if gguf is None:
+        fail("--peer llama.cpp needs --gguf PATH (write it with: nowait export-gguf MODEL_DIR PATH)")
+    if device != "cpu":
+        fail("--peer llama.cpp runs on the CPU (llama-cpp-python as pip builds it); use --device cpu")
+    try:
+        import_llama_cpp()
+        loaded = ModelCache().load(model, device=device)
+        if not loaded.model.config.causal:
+            fail(f"bench peers compares AR decoding; {loaded.path} is a diffusion checkpoint")
+        threads = torch.get_num_threads()
+        report = measure_llama_cpp(loaded, documents("test", n), gguf, threads, max_tokens)
+    except (LlamaCppError, ValueError) as error:  # CheckpointError is a ValueError
+        fail(str(error))
+    report["settings"] = {"model": str(loaded.path), "gguf": str(gguf), "n": n, "max_tokens": max_tokens,
+                          "threads": threads, "peer": LLAMA_CPP}
+    if as_json:
+        print(json.dumps(report))
+        return
+    print_llama_cpp(report, typer.echo)
