@@ -111,6 +111,56 @@ def test_fallback_entry_verifies_the_diffusion_answer_instead_of_decoding(checkp
     assert refused.exit_code != 0 and "tokenizer" in refused.output and "Traceback" not in refused.output
 
 
+def test_routed_entry_falls_back_by_the_calibrated_threshold(tmp_path, codec):
+    """The diffusion answers the route starts from, decoded here as the route asks for them; a
+    threshold written beside the model between their confidences: every answer below it must fall
+    back for its confidence, every other one is kept only if it is a JSON object."""
+    from nowait.calibration import CALIBRATION_FILE
+    from nowait.engines.base import GenerationRequest, SamplingParams
+    from nowait.engines.config import DiffusionEngineConfig
+    from nowait.engines.factory import build_engine
+    from nowait.evaluation import ANSWER_WINDOW
+    from nowait.tokenizer import document_prompt
+
+    # Long enough for a hard document's prompt in the test tokenizer's ids (up to ~950) and its answer.
+    longer = {"vocab_size": codec.vocab_size, "max_position": 2048}
+    ar = save_pretrained(build_model(**longer), codec, tmp_path / "ar")
+    model = save_pretrained(build_model(**longer, causal=False, logits_shift=True, mask_token_id=codec.mask_id),
+                            codec, tmp_path / "diffusion")
+    docs = documents("test", 4, tier="mixed")
+    built = build_engine(DiffusionEngineConfig(kind="diffusion", model=str(model)))
+    answers = [built.engine.generate([GenerationRequest(built.codec.encode(document_prompt(d)),
+                                                        SamplingParams(max_tokens=ANSWER_WINDOW),
+                                                        request_id=d.doc_id)])[0] for d in docs]
+    confidences = sorted({a.confidence for a in answers})
+    assert len(confidences) >= 3, confidences  # the tiny model's answers differ in confidence
+    threshold = (confidences[1] + confidences[2]) / 2
+    (model / CALIBRATION_FILE).write_text(json.dumps({"confidence_threshold": threshold}))
+
+    def is_object(text: str) -> bool:
+        try:
+            return isinstance(json.loads(text), dict)
+        except ValueError:
+            return False
+
+    below = sum(a.confidence < threshold for a in answers)
+    kept = sum(a.confidence >= threshold and is_object(a.text) for a in answers)
+    result = runner.invoke(app, ["bench", "engines", "--n", "4", "--tier", "mixed", "--only", "routed", "--json",
+                                 "--host-budget", "0.05", "--ar-model", str(ar), "--diffusion-model", str(model)])
+    assert result.exit_code == 0, result.output
+    report = last_json(result.output)
+    [entry] = report["engines"]
+    assert all(field in entry for field in EVAL_FIELDS) and entry["tier"] == "mixed" == report["tier"]
+    assert entry["routed_settings"]["confidence_threshold"] == threshold
+    assert entry["routed_settings"]["confidence_threshold_source"].endswith(CALIBRATION_FILE)
+    assert entry["kept_on_diffusion"] == pytest.approx(kept / 4, abs=1e-4)
+    assert entry["fallback_causes"].get("confidence", 0) == below >= 2
+    assert entry["fallback_causes"].get("invalid_output", 0) == 4 - below - kept
+    assert entry["answered_by"].get("ar", 0) == 4 - kept
+    assert set(entry["per_tier"]) == {"clean", "hard"}
+    assert entry.get("compute_floor_ms") is None  # two engines taking turns: no one model's floor
+
+
 def test_registry_takes_new_entries(checkpoints):
     @register_entry("fake")
     def fake(ctx: BenchContext) -> dict:

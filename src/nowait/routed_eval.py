@@ -75,6 +75,7 @@ class RoutedAnswer:
     busy_s: dict[str, float] = field(default_factory=dict)  # engine -> seconds it worked on this document
     cost_usd: float = 0.0
     forwards: int = 0
+    tokens: int = 0  # answer tokens both runs decoded (their forwards are `forwards`)
     low_confidence: bool = False  # the kept answer is below its engine's confidence floor
 
 
@@ -116,6 +117,7 @@ def answer_document(doc: Document, codec: TextCodec, fast: RoutedEngine, fallbac
         threshold_source=threshold_for(schema, policy)[1],
         latency_s=sum(completion.timings.total_s for _, completion in runs), busy_s=busy, cost_usd=cost,
         forwards=sum(completion.forwards for _, completion in runs),
+        tokens=sum(completion.completion_tokens for _, completion in runs),
         low_confidence=below_floor(kept_engine.name, kept.confidence, policy))
 
 
@@ -156,6 +158,7 @@ def route_figures(answers: list[RoutedAnswer]) -> dict:
         "answered_by": dict(Counter(a.engine for a in answers).most_common()),
         "low_confidence_flags": sum(a.low_confidence for a in answers),
         "forwards_per_doc": round(sum(a.forwards for a in answers) / n, 2) if n else 0.0,
+        "tokens_per_forward": round(sum(a.tokens for a in answers) / max(sum(a.forwards for a in answers), 1), 3),
     }
 
 
@@ -251,13 +254,14 @@ def routing_policy(config: GatewayConfig, threshold: float | None = None) -> Rou
                                      "kind_thresholds": {}})
 
 
-def run_routed_eval(config: GatewayConfig, n: int, split: str = "test", seed: int | None = None,
-                    tier: str = "clean", structured: bool = False, threshold: float | None = None,
-                    models: ModelCache | None = None, on_batch: Callable[[int], None] | None = None) -> dict:
-    """`nowait eval --engine routed`: the route's metrics on n held-out documents, and its settings."""
+def evaluate_route(config: GatewayConfig, docs: list[Document], tier: str = "clean", structured: bool = False,
+                   threshold: float | None = None, models: ModelCache | None = None,
+                   on_batch: Callable[[int], None] | None = None) -> dict:
+    """The route's metrics on `docs` (of corpus tier `tier`), and its settings: what
+    `nowait eval --engine routed` and `bench engines`' `routed` entry report. `models`: where the
+    config's checkpoints are loaded (a bench shares its entries' weights through it)."""
     fast, fallback, codec = routed_engines(config, models or ModelCache())
     policy = routing_policy(config, threshold)
-    docs = documents(split, n, seed=seed, tier=tier)
     started = time.perf_counter()
     answers = route_documents(docs, codec, fast, fallback, policy, structured, on_batch)
     result = routed_metrics(answers, docs)
@@ -271,15 +275,26 @@ def run_routed_eval(config: GatewayConfig, n: int, split: str = "test", seed: in
     threshold_source = ("--threshold" if threshold is not None else config.confidence_threshold()[1])
     diffusion_options = getattr(fast.engine, "options", None)
     result["settings"] = {
-        "engine": "routed", "split": None if seed is not None else split, "seed": seed,
-        "batch_size": 1, "structured": structured, "fast_engine": fast.name, "fallback_engine": fallback.name,
+        "engine": "routed", "batch_size": 1, "structured": structured, "fast_engine": fast.name,
+        "fallback_engine": fallback.name,
         "confidence_threshold": policy.confidence_threshold, "confidence_threshold_source": threshold_source,
         "per_schema_thresholds": len(policy.schema_thresholds), "per_kind_thresholds": len(policy.kind_thresholds),
         "low_confidence": policy.low_confidence,
-        "confidence_floors": {name: confidence_floor(name, policy) for name in (fast.name, fallback.name)},
+        "confidence_floors": floors,
         "node_usd_per_hour": {fast.name: fast.node_usd_per_hour, fallback.name: fallback.node_usd_per_hour},
         "decoding": f"{fast.name}: {describe_decoding('diffusion', diffusion_options, structured)}; below the "
                     f"threshold or not valid JSON: {fallback.name} ({fallback.kind}), "
                     + ("JSON Schema grammar" if structured else "any-JSON-object grammar"),
     }
+    return result
+
+
+def run_routed_eval(config: GatewayConfig, n: int, split: str = "test", seed: int | None = None,
+                    tier: str = "clean", structured: bool = False, threshold: float | None = None,
+                    models: ModelCache | None = None, on_batch: Callable[[int], None] | None = None) -> dict:
+    """`nowait eval --engine routed`: the route's metrics on n held-out documents, and its settings."""
+    docs = documents(split, n, seed=seed, tier=tier)
+    result = evaluate_route(config, docs, tier, structured, threshold, models, on_batch)
+    result["settings"] = {"engine": "routed", "split": None if seed is not None else split, "seed": seed,
+                          **result["settings"]}
     return result

@@ -24,6 +24,7 @@ from nowait.corpus_tiers import TIER_HELP, check_tier
 if TYPE_CHECKING:  # torch and the engines load when the command runs, not with the CLI
     from nowait.bench.step_floor import ForwardRecorder
     from nowait.checkpoints import LoadedModel
+    from nowait.engines.factory import ModelCache
     from nowait.extraction.corpus import Document
 
 DEFAULT_ENTRIES = ("ar", "spec", "ar-structured", "diffusion-reference", "diffusion", "diffusion-structured")
@@ -41,6 +42,9 @@ class BenchContext:
     docs: list[Document]
     model_paths: dict[str, str] = field(default_factory=dict)  # role (ar, diffusion, draft) -> dir
     device: str = "cpu"
+    tier: str = "clean"  # the corpus tier `docs` were drawn from
+    # Every checkpoint loaded once, by the entries and by the engines the routed entry builds.
+    models: ModelCache | None = None
     _loaded: dict[str, LoadedModel] = field(default_factory=dict)
     # role -> the forwards of its model (nowait.bench.step_floor), for each entry's compute floor
     recorders: dict[str, ForwardRecorder] = field(default_factory=dict)
@@ -51,9 +55,11 @@ class BenchContext:
         from nowait.checkpoints import CheckpointError
         from nowait.engines.factory import ModelCache
 
+        if self.models is None:
+            self.models = ModelCache()
         if role not in self._loaded:
             try:
-                self._loaded[role] = ModelCache().load(self.model_paths.get(role) or role, device=self.device)
+                self._loaded[role] = self.models.load(self.model_paths.get(role) or role, device=self.device)
             except CheckpointError as error:
                 raise BenchError(f"{role} model: {error}") from None
             from nowait.bench.step_floor import ForwardRecorder
@@ -243,6 +249,25 @@ def fallback_bench_entry(ctx: BenchContext) -> dict:
                           draft.model if draft else None, draft.codec if draft else None)
 
 
+@register_entry("routed")
+def routed_bench_entry(ctx: BenchContext) -> dict:
+    """Diffusion with the gateway's fallback rule and thresholds, one document at a time, as
+    `nowait eval --engine routed` runs it (nowait.routed_eval) on the bench's documents and
+    models (not in the default entries: `--only routed`)."""
+    from nowait.gateway.config import default_config
+    from nowait.routed_eval import evaluate_route, routed_config
+
+    # Loaded here first so that a missing model is a BenchError naming its role, and so that the
+    # route's engines take these weights from ctx.models.
+    ctx.model("diffusion")
+    ctx.model("ar")
+    config = routed_config(default_config(), ctx.model_paths.get("diffusion") or "diffusion",
+                           ctx.model_paths.get("ar") or "ar", None if ctx.device == "cpu" else ctx.device)
+    result = evaluate_route(config, ctx.docs, ctx.tier, models=ctx.models)
+    settings = result.pop("settings")
+    return {**result, "decoding": settings["decoding"], "routed_settings": settings}
+
+
 @register_entry("ar-structured", floor_role="ar")
 def ar_structured_bench_entry(ctx: BenchContext) -> dict:
     """Greedy AR constrained by each kind's JSON Schema grammar, batch size 1."""
@@ -318,7 +343,8 @@ def engines(
     diffusion_model: str = typer.Option(None, help="diffusion checkpoint directory (default: bundled diffusion)"),
     draft_model: str = typer.Option(None, help="draft checkpoint directory, for entries that use one"),
     only: str = typer.Option(None, help="comma-separated entries to run (default: "
-                                        + ", ".join(DEFAULT_ENTRIES) + ")"),
+                                        + ", ".join(DEFAULT_ENTRIES) + "; also: "
+                                        + ", ".join(n for n in ENTRIES if n not in DEFAULT_ENTRIES) + ")"),
     threads: int = typer.Option(None, min=1, help="CPU threads (default: torch's choice)"),
     shape: str = typer.Option(None, help="time batch-1 engine steps of a real model shape with random weights "
                                          "instead: qwen2.5-0.5b, llama-3.2-1b, llama-3.1-8b, llada-8b, dream-7b, "
@@ -369,7 +395,8 @@ def engines(
     from nowait.extraction.corpus import documents
 
     ctx = BenchContext(docs=documents(split, n, seed=seed, tier=tier),
-                       model_paths={"ar": ar_model, "diffusion": diffusion_model, "draft": draft_model}, device=device)
+                       model_paths={"ar": ar_model, "diffusion": diffusion_model, "draft": draft_model}, device=device,
+                       tier=tier)
     err = Console(stderr=True)
     from nowait.bench.step_floor import matmul_peak
 
@@ -429,6 +456,13 @@ def _print_table(report: dict) -> None:
                           f"vs the AR engine taking turns, acceptance {m.get('acceptance_rate') or 0:.2f}, greedy "
                           f"output identical to AR: {m['greedy_identical_to_ar']}", highlight=False)
     for e in report["engines"]:
+        if "kept_on_diffusion" in e:
+            r = e["routed_settings"]
+            console.print(f"{e['name']}: {e['kept_on_diffusion']:.0%} kept on diffusion (threshold "
+                          f"{r['confidence_threshold']:.4g}, {r['confidence_threshold_source']}), field accuracy "
+                          f"{e['field_accuracy']:.3f} (diffusion alone {e['diffusion_field_accuracy']:.3f}), "
+                          f"${e['usd_per_request']:.4f} per request, {e['low_confidence_flags']} low-confidence "
+                          "flags", highlight=False)
         if e.get("vs_ar_interleaved"):
             h = e["vs_ar_interleaved"]
             console.print(f"{e['name']} vs ar, taking turns on each document: p50 {h['diffusion_latency_ms_p50']:.1f} "
