@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 PEER = "llama.cpp"
 NOWAIT = "nowait-ar"
-MISSING = ("bench peers --peer llama.cpp needs llama-cpp-python, built from source by pip (about 10 minutes on "
+MISSING = ("bench peers --peer llama.cpp needs llama-cpp-python, built from source by pip (10-20 minutes on "
            "2 cores): CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python==0.3.36 (docs/bench.md)")
 # Decode steps at most this many tokens past the prompt count as "decode at the prompt's context".
 NEAR_PROMPT = 16
