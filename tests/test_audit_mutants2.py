@@ -265,8 +265,10 @@ def test_rows_queued_in_an_outage_are_written_in_batches_of_batch_rows(database,
     assert [e["seq"] for e in read_store_audit_log(database)] == [0, 1, 2, 3, 4]
 
 
-def test_retries_wait_twice_as_long_each_time_up_to_retry_max(database, monkeypatch):
-    """The waits the writer asks its condition for (a timed test could only guess them)."""
+def test_retries_wait_twice_as_long_each_time_up_to_retry_max_and_the_outage_is_warned_once(database, monkeypatch,
+                                                                                          caplog):
+    """The waits the writer asks its condition for (a timed test could only guess them); five
+    failures in a row are one outage: one warning at its start, one at its end."""
     monkeypatch.setattr(store_log, "RETRY_FIRST_S", 0.01)
     monkeypatch.setattr(store_log, "RETRY_MAX_S", 0.04)
     real, failures, waits = database.transaction, [StoreUnavailable("down")] * 5, []
@@ -284,10 +286,13 @@ def test_retries_wait_twice_as_long_each_time_up_to_retry_max(database, monkeypa
         return condition_wait(timeout)
     log._lock.wait = wait
     monkeypatch.setattr(database, "transaction", flaky)
-    log.record({"request_id": "req-0"})
-    assert log.flush(5)
+    with caplog.at_level(logging.WARNING, logger="nowait.gateway"):
+        log.record({"request_id": "req-0"})
+        assert log.flush(5)
     log.close()
     assert waits == [0.01, 0.02, 0.04, 0.04, 0.04]
+    assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == [
+        "1 entr(ies) queued, not written (down): retrying", "written again (0 entr(ies) still queued)"]
 
 
 runner = CliRunner()
