@@ -1,5 +1,7 @@
-"""`nowait fleet up CONFIG` on a local cluster it starts itself, `fleet status --json` in the
-issue's shape, and `fleet down`, after which none of that cluster's processes is left."""
+"""`nowait fleet up CONFIG` on a local cluster it starts itself, with `fleet.direct_ingress` (the
+gateway replica serves HTTP on its own port; the proxy path is tests/test_fleet_serve.py's),
+`fleet status --json` in the issue's shape, and `fleet down`, after which none of that cluster's
+processes is left."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -23,31 +27,58 @@ def nowait(*args: str, env: dict) -> subprocess.CompletedProcess:
                           timeout=300, check=False)
 
 
+def listener_pid(port: int) -> int | None:
+    """The process listening on TCP `port` (Linux /proc): the socket's inode, then whose fd it is."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                inodes.add(f"socket:[{fields[9]}]")
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                    return int(proc.name)
+            except OSError:
+                continue
+    return None
+
+
 def test_fleet_up_status_down(tmp_path, codec):
     models = save_tiny_models(tmp_path / "models", codec)
     port = free_port()
     config = {"auth": {"api_keys": [API_KEY], "api_keys_env": None}, "data_dir": str(tmp_path / "data"),
               "engines": {"ar": {"kind": "ar", "model": models["ar"], "max_num_seqs": 4,
                                  "fleet": {"cpus_per_replica": 0.5}}},
-              "routing": {"fast_engine": None}, "defaults": {"max_tokens": 4}, "fleet": {"port": port}}
+              "routing": {"fast_engine": None}, "defaults": {"max_tokens": 4},
+              "fleet": {"port": port, "direct_ingress": True}}
     (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(config))
-    env = {**os.environ, "NOWAIT_FLEET_STATE": str(tmp_path / "state.json"), "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, "NOWAIT_FLEET_STATE": str(tmp_path / "state.json"), "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}  # passed on to Serve: nothing to drain here
     up = nowait("fleet", "up", str(tmp_path / "fleet.yaml"), "--num-cpus", "1", env=env)
     state = json.loads((tmp_path / "state.json").read_text()) if up.returncode == 0 else {}
     try:
         assert up.returncode == 0, up.stderr[-2000:]
-        assert f"serving at http://127.0.0.1:{port}" in up.stdout
         marker = state["local_cluster"]
         assert cluster_processes(marker)  # the cluster's processes carry its marker
-        answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
-                            headers={"Authorization": f"Bearer {API_KEY}"},
-                            json={"model": "ar", "messages": [{"role": "user", "content": "hi"}]})
-        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
         status = nowait("fleet", "status", "--json", env=env)
         assert status.returncode == 0, status.stderr[-2000:]
         report = json.loads(status.stdout)
-        assert set(report) == {"engines", "gateway_replicas", "url"}
-        assert report["gateway_replicas"] == 1 and report["url"] == f"http://127.0.0.1:{port}"
+        assert set(report) == {"engines", "gateway_replicas", "url", "urls"}
+        assert report["gateway_replicas"] == 1 and report["urls"] == [report["url"]] == [state["url"]]
+        assert f"serving at {report['url']}" in up.stdout
+        direct = urlsplit(report["url"])
+        assert direct.hostname == "127.0.0.1" and direct.port != port  # the replica's own port, not the proxy's
+        # Ignored, the option would leave this port to the proxy (or to nothing): it is the gateway
+        # replica's own socket, in that cluster.
+        gateway = listener_pid(direct.port)
+        assert gateway in cluster_processes(marker)
+        assert b"gateway" in Path(f"/proc/{gateway}/cmdline").read_bytes()
+        answer = httpx.post(f"{report['url']}/v1/chat/completions", timeout=60,
+                            headers={"Authorization": f"Bearer {API_KEY}"},
+                            json={"model": "ar", "messages": [{"role": "user", "content": "hi"}]})
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
         [engine] = report["engines"]
         assert engine["name"] == "ar" and len(engine["replicas"]) == 1
         assert set(engine["replicas"][0]) == {"id", "node", "pid", "state", "running", "waiting"}

@@ -111,6 +111,10 @@ def _ask(url: str, i: int, stream: bool, max_tokens: int = 12) -> str:
 
 
 def test_replicas_hold_the_resources_their_fleet_section_names(fleet):
+    from nowait.fleet.deploy import fleet_status
+
+    status = fleet_status()  # without fleet.direct_ingress, clients use the proxy's URL
+    assert status["url"] == fleet and status["urls"] == [fleet]
     assert ray.cluster_resources()["GPU"] == 1
     assert ray.available_resources().get("GPU", 0) == 0  # two replicas x gpus_per_replica 0.5
 

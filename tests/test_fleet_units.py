@@ -62,6 +62,34 @@ def test_deployment_options_follow_the_fleet_section():
     assert gateway_replicas(shared) == 3
 
 
+def test_direct_ingress_reaches_the_controller_and_the_gateway_replicas_only(monkeypatch):
+    from nowait.fleet.deploy import direct_ingress_env, direct_urls, fleet_application
+
+    monkeypatch.setenv("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "32000")  # Ray's own tuning, passed on
+    monkeypatch.setenv("RAY_SERVE_OTHER", "1")
+    base = {"routing": {"fast_engine": None}, "engines": {"ar": {"kind": "ar"}}}
+    config = parse_config({**base, "fleet": {"direct_ingress": True}})
+    env = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "32000"}
+    assert direct_ingress_env(config) == env
+    gateway = fleet_application(config)._bound_deployment
+    assert gateway.ray_actor_options == {"num_cpus": 0, "runtime_env": {"env_vars": env}}
+    engine = gateway.init_args[1]["ar"]._bound_deployment
+    assert "runtime_env" not in engine.ray_actor_options  # an engine replica is no ingress
+    assert direct_ingress_env(parse_config(base)) is None
+    plain = fleet_application(parse_config(base))._bound_deployment
+    assert plain.ray_actor_options == {"num_cpus": 0}
+    proxy = {"app_name": "", "ingress_deployment_name": "", "protocol": "HTTP",
+             "targets": [{"ip": "10.0.0.1", "port": 8000}]}
+    ingress = {"app_name": "nowait", "ingress_deployment_name": "gateway", "protocol": "HTTP",
+               "targets": [{"ip": "10.0.0.2", "port": 30001}, {"ip": "10.0.0.3", "port": 30000}]}
+    grpc = {**ingress, "protocol": "gRPC", "targets": [{"ip": "10.0.0.2", "port": 40000}]}
+    details = {"http_options": {"host": "0.0.0.0"}, "target_groups": [proxy, ingress, grpc]}
+    assert direct_urls(details) == ["http://10.0.0.2:30001", "http://10.0.0.3:30000"]  # a wildcard: the node's
+    assert direct_urls({**details, "http_options": {"host": "127.0.0.1"}}) == ["http://127.0.0.1:30000",
+                                                                                "http://127.0.0.1:30001"]
+    assert direct_urls({**details, "target_groups": [proxy]}) == []  # Serve without direct ingress
+
+
 def test_router_prefers_the_least_loaded_and_the_affine_replica_when_close():
     from nowait.fleet.router import preference, replica_load
 

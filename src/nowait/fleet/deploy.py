@@ -2,7 +2,7 @@
 
     fleet_application(config)   the gateway ingress bound to one deployment per owned engine
     deploy(config)              serve it on the Ray cluster this process is connected to
-    fleet_status()              {"engines": [{name, replicas: [...]}], "gateway_replicas", "url"}
+    fleet_status()              {"engines": [{name, replicas: [...]}], "gateway_replicas", "url", "urls"}
     shut_down()                 delete the application and stop Serve
 
 The local cluster `nowait fleet up` starts when `fleet.ray_address` is unset lives in cluster.py.
@@ -10,7 +10,10 @@ The local cluster `nowait fleet up` starts when `fleet.ray_address` is unset liv
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import time
 
 import ray
 from ray import serve
@@ -27,6 +30,14 @@ log = logging.getLogger("nowait.fleet")
 APP_NAME = "nowait"
 GATEWAY = "gateway"
 ROUTING_STATS_PERIOD_S = 0.5  # how stale a replica's reported load may be when the router reads it
+# Ray Serve's switch for direct ingress, read when a Serve process starts (its controller, a replica).
+DIRECT_INGRESS = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
+DIRECT_INGRESS_TUNING = "RAY_SERVE_DIRECT_INGRESS_"  # its port range, drain period: passed on as set here
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+class DirectIngressError(RuntimeError):
+    """Direct ingress asked for, but the cluster's Serve runs without it."""
 
 
 def engine_deployment_name(engine: str) -> str:
@@ -65,6 +76,15 @@ def engine_options(spec: OwnedEngineSpec) -> dict:
     return options
 
 
+def direct_ingress_env(config: GatewayConfig) -> dict[str, str] | None:
+    """`fleet.direct_ingress`: the environment Ray Serve's controller and the gateway replicas get
+    (through their `runtime_env`, so the cluster itself needs no restart); None without it."""
+    if not config.fleet.direct_ingress:
+        return None
+    tuning = {k: v for k, v in os.environ.items() if k.startswith(DIRECT_INGRESS_TUNING)}
+    return {**tuning, DIRECT_INGRESS: "1"}
+
+
 def fleet_application(config: GatewayConfig) -> serve.Application:
     """The gateway ingress bound to one deployment per owned engine (remote upstreams stay in it)."""
     engines = {}
@@ -73,8 +93,12 @@ def fleet_application(config: GatewayConfig) -> serve.Application:
             continue
         deployment = serve.deployment(EngineReplica, name=engine_deployment_name(name), **engine_options(spec))
         engines[name] = deployment.bind(name, spec, config.metrics_window_s, config.defaults.max_tokens)
+    actor_options: dict = {"num_cpus": 0}
+    env = direct_ingress_env(config)
+    if env is not None:
+        actor_options["runtime_env"] = {"env_vars": env}
     gateway = serve.deployment(GatewayIngress, name=GATEWAY, num_replicas=gateway_replicas(config),
-                               ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000,
+                               ray_actor_options=actor_options, max_ongoing_requests=1000,
                                graceful_shutdown_timeout_s=config.server.shutdown_grace_s)
     return gateway.bind(config, engines)
 
@@ -84,10 +108,37 @@ def url_of(config: GatewayConfig) -> str:
 
 
 def deploy(config: GatewayConfig) -> str:
-    """Serve `config` on the connected Ray cluster; returns once every replica is up (its URL)."""
-    serve.start(http_options={"host": config.fleet.host, "port": config.fleet.port})
+    """Serve `config` on the connected Ray cluster; returns once every replica is up (its URL:
+    with `fleet.direct_ingress`, the first gateway replica's own)."""
+    env = direct_ingress_env(config)
+    controller = None if env is None else {"runtime_env": {"env_vars": env}}
+    serve.start(http_options={"host": config.fleet.host, "port": config.fleet.port}, controller_options=controller)
     serve.run(fleet_application(config), name=APP_NAME, route_prefix="/", blocking=False)
-    return url_of(config)
+    if env is None:
+        return url_of(config)
+    urls, deadline = direct_urls(_serve_details()), time.monotonic() + 10
+    while not urls and time.monotonic() < deadline:  # the controller may list a new port on a later tick
+        time.sleep(0.5)
+        urls = direct_urls(_serve_details())
+    if not urls:  # Serve's options apply when its controller starts; one already running keeps its own
+        serve.delete(APP_NAME)
+        raise DirectIngressError("fleet.direct_ingress is set but Serve on this cluster already runs without "
+                                 "direct ingress (`serve shutdown` on the cluster, then `nowait fleet up` again)")
+    return urls[0]
+
+
+def direct_urls(details: dict) -> list[str]:
+    """Each gateway replica's own URL when Serve runs with direct ingress (Ray's target groups for
+    the application's ingress, not the proxy's); [] without it."""
+    host = (details.get("http_options") or {}).get("host", "127.0.0.1")
+    urls = []
+    for group in details.get("target_groups") or []:
+        group = group if isinstance(group, dict) else group.model_dump()
+        if (group.get("app_name") == APP_NAME and group.get("ingress_deployment_name") == GATEWAY
+                and str(getattr(group.get("protocol"), "value", group.get("protocol"))) == "HTTP"):
+            # A replica listens on the proxy's host: a wildcard is reached at its node's address.
+            urls += [f"http://{t['ip'] if host in WILDCARD_HOSTS else host}:{t['port']}" for t in group["targets"]]
+    return sorted(urls)
 
 
 def _replica_load(actor_name: str) -> dict:
@@ -124,22 +175,30 @@ def engine_replicas(details: dict | None = None) -> dict[str, list[dict]]:
 
 
 def fleet_status() -> dict:
-    """The engines' replicas (id, node, pid, state, running, waiting), the gateway replicas and the URL."""
+    """The engines' replicas (id, node, pid, state, running, waiting), the gateway replicas and the
+    URLs clients use: the proxy's, or with direct ingress each gateway replica's (`url` the first)."""
     details = _serve_details()
     app = (details.get("applications") or {}).get(APP_NAME)
     if app is None:
-        return {"engines": [], "gateway_replicas": 0, "url": None}
+        return {"engines": [], "gateway_replicas": 0, "url": None, "urls": []}
     http = details.get("http_options") or {}
     gateway = app["deployments"].get(GATEWAY) or {}
     engines = [{"name": name, "replicas": [{"id": r["id"], "node": r["node"], "pid": r["pid"], "state": r["state"],
                                             "running": r["load"].get("running", 0),
                                             "waiting": r["load"].get("waiting", 0)} for r in rows]}
                for name, rows in engine_replicas(details).items()]
+    urls = direct_urls(details) or [f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}"]
     return {"engines": engines,
             "gateway_replicas": sum(1 for r in gateway.get("replicas") or [] if r.get("state") == "RUNNING"),
-            "url": f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}"}
+            "url": urls[0], "urls": urls}
 
 
 def shut_down() -> None:
     """Delete the application and stop Serve (its controller and proxies)."""
+    from ray.serve.exceptions import RayServeException
+
+    # Waits (up to 60 s) for the replicas to stop: a direct-ingress gateway replica drains for 30 s
+    # first, longer than serve.shutdown waits for its controller. No Serve on the cluster: nothing to delete.
+    with contextlib.suppress(RayServeException):
+        serve.delete(APP_NAME)
     serve.shutdown()

@@ -146,6 +146,8 @@ class FleetConfig(Strict):
                                                        "PostgreSQL store.url")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
+    direct_ingress: bool = Field(False, description="each gateway replica serves HTTP on its own port (Ray Serve's "
+                                                    "direct ingress), no proxy hop; `fleet status` gives the URLs")
 
 
 DEFAULT_ENGINES: dict[str, EngineSpec] = {
