@@ -75,6 +75,8 @@ class ArEngineConfig(OwnedEngineConfig):
                                                                   "an eighth of the rows' tokens, at least "
                                                                   "max_model_len; 0: off)")
     structured: bool = Field(True, description="build the JSON-schema grammar (response_format)")
+    compile: bool = Field(False, description="run a step that feeds one token to one sequence as a compiled graph "
+                                             "(torch.compile; compiled when the engine starts, seconds to a minute)")
 
     @model_validator(mode="after")
     def _token_cap_holds_a_batch(self) -> ArEngineConfig:

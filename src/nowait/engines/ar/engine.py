@@ -28,6 +28,7 @@ from nowait.engines.ar.sequence import Sequence
 from nowait.engines.base import Completion, GenerationRequest, InvalidRequestError, StreamChunk
 from nowait.engines.logprobs import row_logprobs
 from nowait.model import KVCache, Transformer
+from nowait.model.compiled_step import CompiledDecode
 from nowait.tokenizer import TextCodec
 
 if TYPE_CHECKING:  # llguidance is imported only by engines that constrain output
@@ -95,6 +96,8 @@ class EngineConfig:
     `prefix_cache_tokens`: prompt tokens whose keys/values the prefix cache keeps for later
     prompts that start alike (`nowait.engines.ar.prefix_cache`); default an eighth of the rows'
     tokens and at least one row's, 0 turns it off. `prefix_block_size`: the unit of sharing.
+    `compile_decode`: a step that feeds one token to one sequence runs a compiled graph
+    (`nowait.model.compiled_step`), compiled when the engine is built (seconds to a minute).
     """
 
     max_num_seqs: int = 64
@@ -103,6 +106,7 @@ class EngineConfig:
     max_waiting: int | None = None
     prefix_cache_tokens: int | None = None
     prefix_block_size: int = 16
+    compile_decode: bool = False
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_waiting)
@@ -139,7 +143,7 @@ class AutoregressiveEngine:
         self.scheduler = Scheduler(self.config.scheduler_config())
         self.pool = CachePool(self._cached_models(), self.config.max_num_seqs,
                               self.max_model_len + self._lookahead())
-        self.runner = ModelRunner(model, self.pool, 0, pad_id=self.end_id)
+        self.runner = ModelRunner(model, self.pool, 0, pad_id=self.end_id, compiled=self._compiled(model))
         self.prefix_cache = self._prefix_cache()
         self.vocab_size = model.config.vocab_size
         self.steps = {"prefill": 0, "decode": 0}
@@ -161,6 +165,14 @@ class AutoregressiveEngine:
             raise ValueError(f"prefix_cache_tokens must be 0 (off) or at least prefix_block_size ({block}), "
                              f"got {tokens}")
         return PrefixCache(self.pool.caches[0], tokens // block, block) if tokens else None
+
+    def _compiled(self, model: Transformer) -> CompiledDecode | None:
+        """`model`'s compiled decode step when the config asks for one, compiled now."""
+        if not self.config.compile_decode:
+            return None
+        compiled = CompiledDecode(model)
+        compiled.warm_up()
+        return compiled
 
     # --- hooks the speculative engine overrides ---
 

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from nowait.engines.ar.sequence import Sequence
 from nowait.model import KVCache, Transformer
+from nowait.model.compiled_step import CompiledDecode
 
 
 def length_groups(lengths: list[int], max_padding: float = 0.1) -> list[list[int]]:
@@ -96,12 +97,16 @@ class CachePool:
 class ModelRunner:
     """Forwards of one model over sequences whose keys/values live in `pool.caches[index]`."""
 
-    def __init__(self, model: Transformer, pool: CachePool, index: int, pad_id: int) -> None:
+    def __init__(self, model: Transformer, pool: CachePool, index: int, pad_id: int,
+                 compiled: CompiledDecode | None = None) -> None:
+        """`compiled`: the model's compiled decode step, which then runs every step that feeds
+        one token to one row (the real-time path); other forwards stay eager."""
         self.model = model
         self.pool = pool
         self.index = index
         self.pad_id = pad_id
         self.device = model.output_weight().device
+        self.compiled = compiled
 
     @property
     def cache(self) -> KVCache:
@@ -165,6 +170,10 @@ class ModelRunner:
         tokens are right padded (their padded keys land past their length and are never read).
         """
         view = self.pool.view(self.index)
+        if self.compiled is not None and len(tokens) == 1 and len(tokens[0]) == 1:
+            logits = self.compiled(tokens[0][0], view)
+            self.pool.commit_view(view, self.index)
+            return logits
         lengths = [len(t) for t in tokens]
         width = max(lengths)
         if min(lengths) == width:  # no padding: the model needs no per-row lengths
