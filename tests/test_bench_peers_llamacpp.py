@@ -38,6 +38,10 @@ def test_ratios_are_nowaits_time_over_llama_cpps_at_each_shape():
                entry("nowait-ar", "nowait", "document", 200.0), entry("llama.cpp", "llama.cpp", "prefill", 10.0),
                entry("llama.cpp", "llama.cpp", "decode@0", 0.5), entry("llama.cpp", "llama.cpp", "document", 0.0)]
     assert llama_cpp_ratios(entries) == {"nowait/llama.cpp@prefill": 1.5, "nowait/llama.cpp@decode@0": 6.0}
+    # `--compile`: the compiled step's entries get ratios of their own, beside the eager ones
+    compiled = [entry("nowait-ar-compiled", "nowait-compiled", "decode@0", 1.0)]
+    assert llama_cpp_ratios(entries + compiled) == {"nowait/llama.cpp@prefill": 1.5, "nowait/llama.cpp@decode@0": 6.0,
+                                                    "nowait-compiled/llama.cpp@decode@0": 2.0}
 
 
 def test_missing_llama_cpp_python_and_missing_gguf_are_one_line_each(monkeypatch, tmp_path):

@@ -197,6 +197,8 @@ def peers(
     threads: int = typer.Option(None, min=1, help="CPU threads (default: torch's choice); llama.cpp gets as many"),
     peer: str = typer.Option(PEER_ENGINE, "--peer", help="transformers, or llama.cpp (batch 1, needs --gguf)"),
     gguf: Path = typer.Option(None, "--gguf", help="llama.cpp's weights: the file `nowait export-gguf` wrote"),
+    compile: bool = typer.Option(False, "--compile", help="llama.cpp peer: nowait's engine with its compiled "
+                                                          "decode step too (compiled first: up to a minute)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """nowait's AR engine and continuous batching vs transformers' generate (or llama.cpp) on the same weights."""
@@ -218,7 +220,7 @@ def peers(
     if threads:
         torch.set_num_threads(threads)
     if peer == LLAMA_CPP:
-        _llama_cpp_peer(model, gguf, n, max_tokens, device, as_json)
+        _llama_cpp_peer(model, gguf, n, max_tokens, device, as_json, compile)
         return
     try:
         import_transformers()
@@ -248,7 +250,8 @@ def peers(
 
 
 
-def _llama_cpp_peer(model: str, gguf: Path | None, n: int, max_tokens: int, device: str, as_json: bool) -> None:
+def _llama_cpp_peer(model: str, gguf: Path | None, n: int, max_tokens: int, device: str, as_json: bool,
+                    compile: bool = False) -> None:
     """`--peer llama.cpp` (`nowait.bench.peers_llamacpp`): batch 1 on the CPU, both at torch's thread count."""
     import torch
 
@@ -267,11 +270,11 @@ def _llama_cpp_peer(model: str, gguf: Path | None, n: int, max_tokens: int, devi
         if not loaded.model.config.causal:
             fail(f"bench peers compares AR decoding; {loaded.path} is a diffusion checkpoint")
         threads = torch.get_num_threads()
-        report = measure_llama_cpp(loaded, documents("test", n), gguf, threads, max_tokens)
+        report = measure_llama_cpp(loaded, documents("test", n), gguf, threads, max_tokens, compile)
     except (LlamaCppError, ValueError) as error:  # CheckpointError is a ValueError
         fail(str(error))
     report["settings"] = {"model": str(loaded.path), "gguf": str(gguf), "n": n, "max_tokens": max_tokens,
-                          "threads": threads, "peer": LLAMA_CPP}
+                          "threads": threads, "peer": LLAMA_CPP, "compile": compile}
     if as_json:
         print(json.dumps(report))
         return

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 PEER = "llama.cpp"
 NOWAIT = "nowait-ar"
+NOWAIT_COMPILED = "nowait-ar-compiled"  # the engine with its compiled decode step (`--compile`)
 MISSING = ("bench peers --peer llama.cpp needs llama-cpp-python, built from source by pip (10-20 minutes on "
            "2 cores): CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python==0.3.36 (docs/bench.md)")
 # Decode steps at most this many tokens past the prompt count as "decode at the prompt's context".
@@ -105,14 +106,16 @@ class LlamaCppDecoder:
 class NowaitDecoder:
     """nowait's AR engine at batch 1, one timed `step()` per forward."""
 
-    def __init__(self, loaded: LoadedModel, max_model_len: int) -> None:
+    def __init__(self, loaded: LoadedModel, max_model_len: int, compile: bool = False) -> None:
         from nowait.engines.config import ArEngineConfig
         from nowait.engines.factory import EngineModel, engine_from
 
         # As `bench peers` sizes it at batch 1: no prefix cache (llama.cpp's context is reset too).
         config = ArEngineConfig(kind="ar", max_num_seqs=1, max_num_batched_tokens=4096, max_model_len=max_model_len,
-                                prefix_cache_tokens=0, structured=False)
+                                prefix_cache_tokens=0, structured=False, compile=compile)
         self.engine = engine_from(config, EngineModel(loaded.model, loaded.codec))
+        compiled = self.engine.runner.compiled
+        self.compile_seconds = compiled.compile_seconds if compiled is not None else None
 
     def run(self, prompt: list[int], max_tokens: int, end_id: int) -> Run:
         from nowait.engines.base import GenerationRequest, SamplingParams
@@ -169,19 +172,22 @@ def _entries(name: str, engine: str, samples: Samples) -> list[dict]:
 
 
 def llama_cpp_ratios(entries: list[dict]) -> dict[str, float]:
-    """nowait's p50 over llama.cpp's at each shape (above 1: llama.cpp is faster), "nowait/llama.cpp@shape"."""
+    """nowait's p50 over llama.cpp's at each shape (above 1: llama.cpp is faster), "nowait/llama.cpp@shape"
+    (and "nowait-compiled/llama.cpp@shape" for the compiled step's entries)."""
     theirs = {e["shape"]: e for e in entries if e["engine"] == PEER}
     out = {}
     for entry in entries:
         peer = theirs.get(entry["shape"])
         if entry["engine"] != PEER and peer is not None and peer["latency_ms_p50"] > 0:
-            out[f"nowait/llama.cpp@{entry['shape']}"] = round(entry["latency_ms_p50"] / peer["latency_ms_p50"], 3)
+            ratio = entry["latency_ms_p50"] / peer["latency_ms_p50"]
+            out[f"{entry['engine']}/llama.cpp@{entry['shape']}"] = round(ratio, 3)
     return out
 
 
 def measure_llama_cpp(loaded: LoadedModel, docs: list[Document], gguf_path: Path, threads: int,
-                      max_tokens: int = 160) -> dict:
-    """The llama.cpp peer report: entries per engine and shape, ratios, the tokenizer check."""
+                      max_tokens: int = 160, compile: bool = False) -> dict:
+    """The llama.cpp peer report: entries per engine and shape, ratios, the tokenizer check.
+    `compile`: nowait's engine with its compiled decode step runs too, in the same turns."""
     from nowait.tokenizer import document_prompt
 
     if not gguf_path.is_file():
@@ -193,6 +199,8 @@ def measure_llama_cpp(loaded: LoadedModel, docs: list[Document], gguf_path: Path
     peer = LlamaCppDecoder(gguf_path, n_ctx, threads)
     ours = NowaitDecoder(loaded, n_ctx)
     decoders = {NOWAIT: ours, PEER: peer}
+    if compile:
+        decoders[NOWAIT_COMPILED] = NowaitDecoder(loaded, n_ctx, compile=True)
     samples = {name: Samples() for name in decoders}
     short = prompts[0][:1]  # the prompt's first token (<|user|>): decode steps at context ~0
     for run in decoders.values():  # warm-up: first-call allocations stay out of the numbers
@@ -205,20 +213,23 @@ def measure_llama_cpp(loaded: LoadedModel, docs: list[Document], gguf_path: Path
         for name, run in runs.items():
             _record(samples[name], run, None if name == NOWAIT else runs[NOWAIT], is_short)
     entries = _entries(NOWAIT, "nowait", samples[NOWAIT]) + _entries(PEER, PEER, samples[PEER])
+    if compile:
+        entries += _entries(NOWAIT_COMPILED, "nowait-compiled", samples[NOWAIT_COMPILED])
     answers = [d.answer_json() for d in docs]
     return {"peers": entries, "ratios": llama_cpp_ratios(entries),
             "tokenizer": tokenizer_check(codec, peer, texts + answers),
             "prompt_tokens_p50": statistics.median(len(p) for p in prompts),
             "load_average": {"before": [round(x, 2) for x in load_before],
                              "after": [round(x, 2) for x in os.getloadavg()]},
-            "llama_cpp_python": peer.version}
+            "llama_cpp_python": peer.version,
+            "compile_seconds": decoders[NOWAIT_COMPILED].compile_seconds if compile else None}
 
 
 def print_llama_cpp(report: dict, echo) -> None:
     """The text report, one line per engine and shape, then the ratios and the tokenizer check."""
     for e in report["peers"]:
         cpu = f"  cpu p50 {e['cpu_ms_p50']:>8.1f} ms" if "cpu_ms_p50" in e else ""
-        echo(f"{e['shape']:<14} {e['name']:<10} p50 {e['latency_ms_p50']:>9.3f} ms  runs {e['runs']:>5}{cpu}  "
+        echo(f"{e['shape']:<14} {e['name']:<18} p50 {e['latency_ms_p50']:>9.3f} ms  runs {e['runs']:>5}{cpu}  "
              f"identical to nowait: {e['identical']}")
     for key, value in report["ratios"].items():
         echo(f"{key}: {value}x")
