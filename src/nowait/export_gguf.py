@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from nowait.checkpoints import LoadedModel
+from nowait.engines.structured.token_automaton import byte_level_decoding
 
 PRE_TOKENIZER = "sarvam-moe"
 SPACE = "\u2581"
@@ -92,19 +93,6 @@ def gguf_tensors(loaded: LoadedModel) -> dict[str, np.ndarray]:
     return out
 
 
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet reversed: the symbol standing for each byte -> the byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    symbols, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            symbols[chr(byte)] = byte
-        else:
-            symbols[chr(256 + extra)] = byte
-            extra += 1
-    return symbols
-
-
 @dataclass(frozen=True)
 class GgufVocab:
     tokens: list[str]
@@ -130,7 +118,7 @@ def gguf_vocab(tokenizer_json: dict, vocab_size: int) -> GgufVocab:
     model = tokenizer_json.get("model") or {}
     if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(tokenizer_json.get("pre_tokenizer")):
         raise ExportError("export-gguf writes byte-level BPE tokenizers only")
-    decoder = _byte_decoder()
+    decoder = byte_level_decoding()
     by_id: dict[int, tuple[str, int]] = {}
     for symbols, token_id in model["vocab"].items():
         text = _as_text(symbols, decoder)
