@@ -126,6 +126,9 @@ class DiffusionEngineConfig(OwnedEngineConfig):
     model: str = "diffusion"
     max_batch: int = Field(8, ge=1)
     options: dict[str, Any] = Field(default_factory=dict, description="DiffusionOptions overrides")
+    compile: bool = Field(False, description="run a forward of one request (the dual cache's steps and refreshes) "
+                                             "as a compiled graph (torch.compile; compiled when the engine starts, "
+                                             "tens of seconds)")
 
     @field_validator("options")
     @classmethod

@@ -154,7 +154,7 @@ def _engine(config: OwnedEngineSpec, target: EngineModel, draft: EngineModel | N
                                     end_ids=target.end_ids or ())
     if isinstance(config, DiffusionEngineConfig):
         return DiffusionEngine(target.model, target.codec, config.diffusion_options(), max_batch=config.max_batch,
-                               end_ids=target.end_ids)
+                               end_ids=target.end_ids, compile=config.compile)
     engine_config = EngineConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                                  max_model_len=config.max_model_len, prefix_cache_tokens=config.prefix_cache_tokens,
                                  compile_decode=config.compile)

@@ -43,6 +43,7 @@ from nowait.engines.diffusion.request import DecodePlan, DiffusionOptions, plan_
 from nowait.engines.diffusion.row import RowState
 from nowait.engines.structured.templates import TemplateCompiler
 from nowait.model import KVCache, Transformer
+from nowait.model.compiled_block import CompiledBlock
 from nowait.tokenizer import TextCodec
 
 
@@ -52,9 +53,14 @@ class DiffusionEngine:
     kind = "diffusion"
 
     def __init__(self, model: Transformer, codec: TextCodec, options: DiffusionOptions | None = None,
-                 max_batch: int = 8, name: str = "diffusion", *, end_ids: Sequence[int] | None = None) -> None:
+                 max_batch: int = 8, name: str = "diffusion", *, end_ids: Sequence[int] | None = None,
+                 compile: bool = False) -> None:
         """`end_ids`: the checkpoint's end-of-text ids (`LoadedModel.conventions.end_ids`); an
-        answer ends at the first of any of them. Default: the demo tokenizer's end token."""
+        answer ends at the first of any of them. Default: the demo tokenizer's end token.
+        `compile`: a forward of one row that writes its span (the dual cache's steps and
+        refreshes) runs a compiled graph (`nowait.model.compiled_block`), compiled now (tens of
+        seconds); forwards of several rows, and a request's first forward (its prompt isolated,
+        two attention kernels, measured faster eager), stay eager."""
         if model.config.causal:
             raise ValueError("the diffusion engine needs a bidirectional model; this one is causal (AR)")
         if max_batch < 1:
@@ -74,6 +80,10 @@ class DiffusionEngine:
         self.end_id = self.end_ids[0]  # also pads the rows of a batch
         self.compiler = TemplateCompiler(codec, self.mask_id)
         self.storage = CacheStorage()  # cache memory kept from one request to the next
+        self.compiled: CompiledBlock | None = None
+        if compile:
+            self.compiled = CompiledBlock(self.model)
+            self.compiled.warm_up()
 
     def plan(self, request: GenerationRequest) -> DecodePlan:
         """Validate a request (InvalidRequestError) and lay out its answer window."""
@@ -85,7 +95,7 @@ class DiffusionEngine:
         completions: list[Completion | None] = [None] * len(rows)
         for mode in dict.fromkeys(plan.options.cache for plan in plans):
             batch = _Scheduler(self.model, [r for r in rows if r.plan.options.cache == mode], mode,
-                               self.max_batch, self.end_id, self.storage)
+                               self.max_batch, self.end_id, self.storage, self.compiled)
             for row, event in batch.events():
                 if event == "done":
                     completions[row.index] = row.completion(self.name, self.codec)
@@ -99,7 +109,8 @@ class DiffusionEngine:
     def _stream(self, plan: DecodePlan) -> Iterator[StreamChunk]:
         [row] = self._rows([plan])
         sent_text, sent_ids = "", 0
-        for _, event in _Scheduler(self.model, [row], plan.options.cache, 1, self.end_id, self.storage).events():
+        for _, event in _Scheduler(self.model, [row], plan.options.cache, 1, self.end_id, self.storage,
+                                   self.compiled).events():
             if event == "done":
                 completion = row.completion(self.name, self.codec)
                 yield StreamChunk(text=completion.text[len(sent_text):], token_ids=completion.token_ids[sent_ids:],
@@ -125,9 +136,10 @@ class _Scheduler:
     """Decodes rows of one cache mode, at most `max_batch` at a time."""
 
     def __init__(self, model: Transformer, rows: list[RowState], cache_mode: str, max_batch: int,
-                 pad_id: int, storage: CacheStorage | None = None) -> None:
+                 pad_id: int, storage: CacheStorage | None = None, compiled: CompiledBlock | None = None) -> None:
         self.model, self.cache_mode, self.max_batch, self.pad_id = model, cache_mode, max_batch, pad_id
         self.storage = storage
+        self.compiled = compiled
         self.waiting = deque(rows)
         self.active: list[RowState] = []  # active[i] owns row i of the cache
         self.cache: KVCache | None = None
@@ -218,8 +230,8 @@ class _Scheduler:
         isolated = [row.prompt_prefix if row.prompt_pending else 0 for row in rows]
         if any(isolated) and len(rows) > 1:
             raise RuntimeError("a prompt left for its first refresh must refresh alone")
-        logits = forward_spans(self.model, [s for s, _ in spans], [start for _, start in spans], self.pad_id,
-                               target, write=True, outputs=outputs, isolated_prefix=isolated[0])
+        logits = self._forward([s for s, _ in spans], [start for _, start in spans], target, True, outputs,
+                               isolated[0])
         if alone:
             self.cache.lengths[indices[0]] = target.lengths[0]
         elif not whole:
@@ -254,7 +266,7 @@ class _Scheduler:
         before = cache.lengths if write else None
         written_at = before.tolist() if write else None
         outputs = output_window([first for first, _ in blocks], [count for _, count in blocks], spans[0].device)
-        logits = forward_spans(self.model, spans, starts, self.pad_id, cache, write=write, outputs=outputs)
+        logits = self._forward(spans, starts, cache, write, outputs)
         if write:
             cache.lengths = before  # a view's: the batch cache's lengths were never changed
         for k, i in enumerate(members):
@@ -265,6 +277,16 @@ class _Scheduler:
             committed = row.decide(logits[k, : blocks[k][1]], ranges[k][0])
             if write:
                 row.keep_step_cache(self.cache, i, written_at[k], committed)
+
+    def _forward(self, spans: list, starts: list[int], cache: KVCache | None, write: bool, outputs: torch.Tensor,
+                 isolated_prefix: int = 0) -> torch.Tensor:
+        """`forward_spans`, or the compiled block step where it computes the same: one row
+        writing a span of two tokens or more, nothing isolated (the real-time path's steps)."""
+        if (self.compiled is not None and write and not isolated_prefix and len(spans) == 1 and cache is not None
+                and cache.batch == 1 and len(spans[0]) > 1):
+            return self.compiled(spans[0], starts[0], cache, outputs)
+        return forward_spans(self.model, spans, starts, self.pad_id, cache, write=write, outputs=outputs,
+                             isolated_prefix=isolated_prefix)
 
     def _retire(self) -> None:
         keep = [i for i, row in enumerate(self.active) if not row.done]
