@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from nowait.model.compiled_step import compile_for_one_model
 from nowait.model.kv_cache import KVCache
 from nowait.model.transformer import Transformer, apply_rotary, rms_norm
 
@@ -86,7 +87,7 @@ class CompiledBlock:
         self.model = model
         self.backend = backend
         self.compile_seconds: float | None = None
-        self._step: Callable[..., Tensor] = torch.compile(span_logits, backend=backend, dynamic=True, fullgraph=True)
+        self._step = compile_for_one_model(span_logits, backend, tag=f"{id(self):x}")
 
     @torch.inference_mode()
     def __call__(self, span: Tensor, start: int, cache: KVCache, outputs: Tensor) -> Tensor:
