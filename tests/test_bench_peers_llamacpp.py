@@ -1,15 +1,13 @@
 """`nowait bench peers --peer llama.cpp`: the ratio arithmetic, the refusals, nowait's timed decoder
-against the plain greedy decoder, and (only where llama-cpp-python is installed, never in CI) a
-tiny exported model decoded by llama.cpp token for token as nowait decodes it."""
+against the plain greedy decoder, the tokenizer check. llama.cpp itself is never run here (it is
+built by hand, docs/bench.md; CI skips nothing): the bench compares both engines' tokens on
+every document it runs and reports `identical`."""
 
 from __future__ import annotations
 
-import json
 import sys
-from itertools import islice
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from nowait.bench.peers_llamacpp import (
@@ -89,21 +87,3 @@ def test_the_tokenizer_check_names_where_the_ids_part(codec):
     assert check["texts"] == 3 and check["identical"] == 1
     assert [d["at"] for d in check["differing"]] == [1, 1]
     assert check["differing"][0]["llama.cpp"][0] == codec.end_id
-
-
-def test_llama_cpp_decodes_an_exported_tiny_model_as_nowait_does(tiny, tmp_path):
-    pytest.importorskip("llama_cpp")  # built by hand (docs/bench.md), never in CI
-    from nowait.bench.peers_llamacpp import LlamaCppDecoder
-    from nowait.export_gguf import export_gguf
-
-    export_gguf(tiny, tmp_path / "tiny.gguf")
-    torch.set_num_threads(1)
-    peer, ours = LlamaCppDecoder(tmp_path / "tiny.gguf", 256, 1), NowaitDecoder(tiny, 256)
-    docs = list(islice(training_stream(0), 6))
-    texts = [document_prompt(d) for d in docs] + [d.answer_json() for d in docs]
-    assert tokenizer_check(tiny.codec, peer, texts)["identical"] == len(texts)
-    for doc in docs:
-        prompt = tiny.codec.encode(document_prompt(doc))[:120]
-        theirs, mine = peer.run(prompt, 24, tiny.codec.end_id), ours.run(prompt, 24, tiny.codec.end_id)
-        assert theirs.ids == mine.ids and len(theirs.step_s) == len(mine.step_s)
-    json.dumps(theirs.__dict__)  # plain numbers only
