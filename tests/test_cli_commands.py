@@ -50,6 +50,7 @@ RUN_ELSEWHERE = {  # command -> the module whose test runs it for real through n
     "keys revoke": "test_tenants_keys.py",
     "bench soak": "test_bench_soak.py",
     "bench peers": "test_bench_peers.py",
+    "export-gguf": "test_export_gguf.py",
     # The fleet's commands run as a process (`python -m nowait.cli`), as a user runs them.
     "fleet up": "test_fleet_cli.py",
     "fleet status": "test_fleet_cli.py",
