@@ -1,14 +1,18 @@
 """`nowait fleet up CONFIG` on a local cluster it starts itself, with `fleet.direct_ingress` (the
-gateway replica serves HTTP on its own port; the proxy path is tests/test_fleet_serve.py's),
-`fleet status --json` in the issue's shape, and `fleet down`, after which none of that cluster's
-processes is left."""
+gateway replica serves HTTP on its own port; the proxy path is tests/test_fleet_serve.py's) and
+with `fleet.throughput_optimized` (that, and gRPC between the gateway and two engine replicas, one
+of them killed under load), `fleet status --json` in the issue's shape, and `fleet down`, after
+which none of that cluster's processes is left."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -45,14 +49,60 @@ def listener_pid(port: int) -> int | None:
     return None
 
 
-def test_fleet_up_status_down(tmp_path, codec):
+def chat(url: str, i: int, stream: bool, max_tokens: int) -> int:
+    """One chat request (streamed as server-sent events, or not): its answer's completion tokens."""
+    body = {"model": "ar", "messages": [{"role": "user", "content": f"Name: {i}"}], "max_tokens": max_tokens,
+            "stream": stream, "stream_options": {"include_usage": True}} if stream else \
+        {"model": "ar", "messages": [{"role": "user", "content": f"Name: {i}"}], "max_tokens": max_tokens}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    if not stream:
+        answer = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["usage"]["completion_tokens"]
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120) as answer:
+        assert answer.status_code == 200
+        events = [line[6:] for line in answer.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events[-3:]
+    return json.loads(events[-2])["usage"]["completion_tokens"]
+
+
+def kill_one_replica_under_load(url: str, pid: int) -> list[str]:
+    """40 requests at concurrency 8 (a third streamed), the replica `pid` SIGKILLed once 10 are
+    answered: the errors the clients saw."""
+    done, errors = [], []
+    lock = threading.Lock()
+
+    def ask(i: int) -> None:
+        try:
+            chat(url, i, i % 3 == 0, 32)
+            with lock:
+                done.append(i)
+        except Exception as error:
+            with lock:
+                errors.append(repr(error))
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(ask, i) for i in range(40)]
+        while len(done) < 10 and not errors:
+            threading.Event().wait(0.01)
+        os.kill(pid, signal.SIGKILL)
+        for future in futures:
+            future.result()
+    assert len(done) + len(errors) == 40
+    return errors
+
+
+@pytest.mark.parametrize("mode", ["direct_ingress", "throughput_optimized"])
+def test_fleet_up_status_down(tmp_path, codec, mode):
     models = save_tiny_models(tmp_path / "models", codec)
     port = free_port()
+    replicas = 1 if mode == "direct_ingress" else 2  # gRPC's replica death is tested with a second one left
     config = {"auth": {"api_keys": [API_KEY], "api_keys_env": None}, "data_dir": str(tmp_path / "data"),
               "engines": {"ar": {"kind": "ar", "model": models["ar"], "max_num_seqs": 4,
-                                 "fleet": {"cpus_per_replica": 0.5}}},
+                                 "fleet": {"cpus_per_replica": 0.5,
+                                           "replicas": {"min": replicas, "max": replicas}}}},
               "routing": {"fast_engine": None}, "defaults": {"max_tokens": 4},
-              "fleet": {"port": port, "direct_ingress": True}}
+              "fleet": {"port": port, mode: True}}
     (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(config))
     env = {**os.environ, "NOWAIT_FLEET_STATE": str(tmp_path / "state.json"), "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}  # passed on to Serve: nothing to drain here
@@ -80,9 +130,17 @@ def test_fleet_up_status_down(tmp_path, codec):
                             json={"model": "ar", "messages": [{"role": "user", "content": "hi"}]})
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
         [engine] = report["engines"]
-        assert engine["name"] == "ar" and len(engine["replicas"]) == 1
+        assert engine["name"] == "ar" and len(engine["replicas"]) == replicas
         assert set(engine["replicas"][0]) == {"id", "node", "pid", "state", "running", "waiting"}
-        assert engine["replicas"][0]["state"] == "RUNNING"
+        assert {r["state"] for r in engine["replicas"]} == {"RUNNING"}
+        if mode == "throughput_optimized":
+            environ = Path(f"/proc/{engine['replicas'][0]['pid']}/environ").read_bytes().split(b"\0")
+            assert b"RAY_SERVE_THROUGHPUT_OPTIMIZED=1" in environ  # Ray's switch reached the engine replica
+            assert chat(report["url"], 0, True, 6) == 6  # a stream over gRPC
+            assert kill_one_replica_under_load(report["url"], engine["replicas"][0]["pid"]) == []
+            metrics = dict(line.rsplit(" ", 1) for line in httpx.get(f"{report['url']}/metrics", timeout=30)
+                           .text.splitlines() if line and not line.startswith("#"))
+            assert float(metrics['nowait:replica_retries_total{engine="ar"}']) >= 1  # requests were on it
     finally:
         if state:
             down = nowait("fleet", "down", env=env)

@@ -62,8 +62,8 @@ def test_deployment_options_follow_the_fleet_section():
     assert gateway_replicas(shared) == 3
 
 
-def test_direct_ingress_reaches_the_controller_and_the_gateway_replicas_only(monkeypatch):
-    from nowait.fleet.deploy import direct_ingress_env, direct_urls, fleet_application
+def test_direct_ingress_reaches_the_controller_and_the_gateway_replicas_only_and_throughput_every_replica(monkeypatch):
+    from nowait.fleet.deploy import direct_ingress_env, direct_urls, engine_env, fleet_application
 
     monkeypatch.setenv("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "32000")  # Ray's own tuning, passed on
     monkeypatch.setenv("RAY_SERVE_OTHER", "1")
@@ -78,6 +78,14 @@ def test_direct_ingress_reaches_the_controller_and_the_gateway_replicas_only(mon
     assert direct_ingress_env(parse_config(base)) is None
     plain = fleet_application(parse_config(base))._bound_deployment
     assert plain.ray_actor_options == {"num_cpus": 0}
+    fast = parse_config({**base, "fleet": {"throughput_optimized": True}})  # direct ingress included
+    switch = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+    assert direct_ingress_env(fast) == {**env, **switch} and engine_env(fast) == switch
+    gateway = fleet_application(fast)._bound_deployment
+    assert gateway.ray_actor_options["runtime_env"] == {"env_vars": {**env, **switch}}
+    engine = gateway.init_args[1]["ar"]._bound_deployment
+    assert engine.ray_actor_options["runtime_env"] == {"env_vars": switch}  # gRPC's server side, one loop
+    assert engine_env(config) == {}
     proxy = {"app_name": "", "ingress_deployment_name": "", "protocol": "HTTP",
              "targets": [{"ip": "10.0.0.1", "port": 8000}]}
     ingress = {"app_name": "nowait", "ingress_deployment_name": "gateway", "protocol": "HTTP",

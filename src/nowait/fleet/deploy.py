@@ -33,6 +33,10 @@ ROUTING_STATS_PERIOD_S = 0.5  # how stale a replica's reported load may be when 
 # Ray Serve's switch for direct ingress, read when a Serve process starts (its controller, a replica).
 DIRECT_INGRESS = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
 DIRECT_INGRESS_TUNING = "RAY_SERVE_DIRECT_INGRESS_"  # its port range, drain period: passed on as set here
+# Ray Serve's documented switch for "high throughput" Serve, read when each Serve process starts:
+# direct ingress, gRPC between deployments (not actor calls), user code and the handle's router on
+# the replica's own event loop, buffered request logs, a frozen GC after start-up.
+THROUGHPUT_OPTIMIZED = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
@@ -77,12 +81,20 @@ def engine_options(spec: OwnedEngineSpec) -> dict:
 
 
 def direct_ingress_env(config: GatewayConfig) -> dict[str, str] | None:
-    """`fleet.direct_ingress`: the environment Ray Serve's controller and the gateway replicas get
-    (through their `runtime_env`, so the cluster itself needs no restart); None without it."""
-    if not config.fleet.direct_ingress:
+    """`fleet.direct_ingress` (or `fleet.throughput_optimized`, which includes it): the environment
+    Ray Serve's controller and the gateway replicas get (through their `runtime_env`, so the
+    cluster itself needs no restart); None without either."""
+    if not (config.fleet.direct_ingress or config.fleet.throughput_optimized):
         return None
     tuning = {k: v for k, v in os.environ.items() if k.startswith(DIRECT_INGRESS_TUNING)}
-    return {**tuning, DIRECT_INGRESS: "1"}
+    return {**tuning, DIRECT_INGRESS: "1", **engine_env(config)}
+
+
+def engine_env(config: GatewayConfig) -> dict[str, str]:
+    """`fleet.throughput_optimized`: the switch every Serve process of the application gets (the
+    engine replicas too: they answer the gateway's calls over gRPC and run their code on their own
+    event loop); {} without it."""
+    return {THROUGHPUT_OPTIMIZED: "1"} if config.fleet.throughput_optimized else {}
 
 
 def fleet_application(config: GatewayConfig) -> serve.Application:
@@ -91,7 +103,10 @@ def fleet_application(config: GatewayConfig) -> serve.Application:
     for name, spec in config.engines.items():
         if isinstance(spec, RemoteEngineConfig):
             continue
-        deployment = serve.deployment(EngineReplica, name=engine_deployment_name(name), **engine_options(spec))
+        options = engine_options(spec)
+        if engine_env(config):
+            options["ray_actor_options"]["runtime_env"] = {"env_vars": engine_env(config)}
+        deployment = serve.deployment(EngineReplica, name=engine_deployment_name(name), **options)
         engines[name] = deployment.bind(name, spec, config.metrics_window_s, config.defaults.max_tokens)
     actor_options: dict = {"num_cpus": 0}
     env = direct_ingress_env(config)

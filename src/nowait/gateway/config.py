@@ -148,6 +148,10 @@ class FleetConfig(Strict):
     port: int = Field(8000, ge=1, le=65535)
     direct_ingress: bool = Field(False, description="each gateway replica serves HTTP on its own port (Ray Serve's "
                                                     "direct ingress), no proxy hop; `fleet status` gives the URLs")
+    throughput_optimized: bool = Field(False, description="Ray Serve's throughput-optimized mode in every Serve "
+                                                          "process of the application: direct ingress, gRPC between "
+                                                          "the gateway and the engine replicas, replica code on its "
+                                                          "event loop (docs/fleet.md)")
 
 
 DEFAULT_ENGINES: dict[str, EngineSpec] = {
