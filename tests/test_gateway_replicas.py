@@ -179,10 +179,13 @@ def test_creates_and_cancels_on_two_replicas_leave_consistent_counts(pair):
 def test_a_replica_killed_mid_batch_leaves_every_line_answered_once(pair):
     """Runs after the test above on the same pair (and kills `a`)."""
     url, (a, b) = pair
-    batch_id = create_batch(b.client(), LINES, max_tokens=4)  # on b; a's runner finds it in the store
-    # Killed while it holds leases on lines it is answering, after both have answered some.
-    wait_until(lambda: leased_to(url, batch_id, "a") and leased_to(url, batch_id, "b")
-               and a.client().batches.retrieve(batch_id).request_counts.completed >= 20, 120,
+    # Lines long enough that the batch outlasts the wait below on a quiet machine too (with 4
+    # tokens a line, all 200 could be answered between the check and the kill).
+    batch_id = create_batch(b.client(), LINES, max_tokens=16)  # on b; a's runner finds it in the store
+    # Killed while it holds leases on lines it is answering, after both have answered some: the
+    # leases are read last, just before the kill.
+    wait_until(lambda: a.client().batches.retrieve(batch_id).request_counts.completed >= 20
+               and leased_to(url, batch_id, "b") and leased_to(url, batch_id, "a"), 120,
                "both replicas to hold leases")
     a.kill()
     orphaned = leased_to(url, batch_id, "a")  # unanswered lines the dead replica still holds
