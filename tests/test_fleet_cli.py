@@ -51,9 +51,9 @@ def listener_pid(port: int) -> int | None:
 
 def chat(url: str, i: int, stream: bool, max_tokens: int) -> int:
     """One chat request (streamed as server-sent events, or not): its answer's completion tokens."""
-    body = {"model": "ar", "messages": [{"role": "user", "content": f"Name: {i}"}], "max_tokens": max_tokens,
-            "stream": stream, "stream_options": {"include_usage": True}} if stream else \
-        {"model": "ar", "messages": [{"role": "user", "content": f"Name: {i}"}], "max_tokens": max_tokens}
+    body = {"model": "ar", "messages": [{"role": "user", "content": f"Name: {i}"}], "max_tokens": max_tokens}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
     headers = {"Authorization": f"Bearer {API_KEY}"}
     if not stream:
         answer = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120)

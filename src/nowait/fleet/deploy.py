@@ -99,13 +99,13 @@ def engine_env(config: GatewayConfig) -> dict[str, str]:
 
 def fleet_application(config: GatewayConfig) -> serve.Application:
     """The gateway ingress bound to one deployment per owned engine (remote upstreams stay in it)."""
-    engines = {}
+    engines, engine_switches = {}, engine_env(config)
     for name, spec in config.engines.items():
         if isinstance(spec, RemoteEngineConfig):
             continue
         options = engine_options(spec)
-        if engine_env(config):
-            options["ray_actor_options"]["runtime_env"] = {"env_vars": engine_env(config)}
+        if engine_switches:
+            options["ray_actor_options"]["runtime_env"] = {"env_vars": engine_switches}
         deployment = serve.deployment(EngineReplica, name=engine_deployment_name(name), **options)
         engines[name] = deployment.bind(name, spec, config.metrics_window_s, config.defaults.max_tokens)
     actor_options: dict = {"num_cpus": 0}
