@@ -11,6 +11,8 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,34 @@ API_KEY = "sk-test-key"
 # tokens, so the JSON is complete and valid whatever the weights.
 SMALL_SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["kyc", "loan"]}, "ok": {"type": "boolean"}},
                 "required": ["kind", "ok"], "additionalProperties": False}
+
+
+def requests_with_a_kill(ask: Callable[[int], None], total: int, kill_after: int, kill: Callable[[], None],
+                         concurrency: int = 8) -> tuple[list[int], list[str]]:
+    """`ask(0..total-1)` from `concurrency` threads, `kill()` called once `kill_after` are answered
+    (or at the first error): the requests answered and the errors the clients saw."""
+    done: list[int] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        try:
+            ask(i)
+            with lock:
+                done.append(i)
+        except Exception as error:
+            with lock:
+                errors.append(repr(error))
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        futures = [pool.submit(one, i) for i in range(total)]
+        while len(done) < kill_after and not errors:
+            time.sleep(0.01)
+        kill()
+        for future in futures:
+            future.result()
+    assert len(done) + len(errors) == total
+    return done, errors
 
 
 def save_tiny_models(directory: Path, codec: TextCodec) -> dict[str, str]:

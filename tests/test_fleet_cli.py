@@ -11,8 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -21,7 +19,7 @@ import pytest
 import yaml
 
 from nowait.fleet.cluster import cluster_processes
-from tests.gateway_support import API_KEY, free_port, save_tiny_models
+from tests.gateway_support import API_KEY, free_port, requests_with_a_kill, save_tiny_models
 
 pytest.importorskip("ray")
 
@@ -69,26 +67,8 @@ def chat(url: str, i: int, stream: bool, max_tokens: int) -> int:
 def kill_one_replica_under_load(url: str, pid: int) -> list[str]:
     """40 requests at concurrency 8 (a third streamed), the replica `pid` SIGKILLed once 10 are
     answered: the errors the clients saw."""
-    done, errors = [], []
-    lock = threading.Lock()
-
-    def ask(i: int) -> None:
-        try:
-            chat(url, i, i % 3 == 0, 32)
-            with lock:
-                done.append(i)
-        except Exception as error:
-            with lock:
-                errors.append(repr(error))
-
-    with ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(ask, i) for i in range(40)]
-        while len(done) < 10 and not errors:
-            threading.Event().wait(0.01)
-        os.kill(pid, signal.SIGKILL)
-        for future in futures:
-            future.result()
-    assert len(done) + len(errors) == 40
+    _, errors = requests_with_a_kill(lambda i: chat(url, i, i % 3 == 0, 32), 40, 10,
+                                     lambda: os.kill(pid, signal.SIGKILL))
     return errors
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,7 +16,14 @@ import openai
 import pytest
 
 from nowait.gateway.config import parse_config
-from tests.gateway_support import API_KEY, SMALL_SCHEMA, base_config, free_port, save_tiny_models
+from tests.gateway_support import (
+    API_KEY,
+    SMALL_SCHEMA,
+    base_config,
+    free_port,
+    requests_with_a_kill,
+    save_tiny_models,
+)
 
 ray = pytest.importorskip("ray")  # the `fleet` extra; the README's test command installs it
 
@@ -149,31 +155,15 @@ def test_two_ar_replicas_both_serve_under_concurrency(fleet):
 
 def test_a_replica_killed_mid_way_loses_no_request(fleet):
     victim = ar_replicas()[0]
-    done, errors = [], []
-    lock = threading.Lock()
 
-    def ask(i: int) -> None:
-        try:
-            _ask(fleet, i, i % 3 == 0, max_tokens=64)
-            with lock:
-                done.append(i)
-        except Exception as error:
-            with lock:
-                errors.append(repr(error))
-
-    with ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(ask, i) for i in range(100)]
-        while len(done) < 30 and not errors:
-            time.sleep(0.01)
+    def kill() -> None:
         actor = ray.get_actor(victim["actor_name"], namespace="serve")
         while not ray.get(actor.record_routing_stats.remote())["running"]:  # killed with requests on it
             time.sleep(0.005)
         ray.kill(actor)
-        for future in futures:
-            future.result()
+
+    done, errors = requests_with_a_kill(lambda i: _ask(fleet, i, i % 3 == 0, max_tokens=64), 100, 30, kill)
     assert errors == [] and len(done) == 100
-
-
     assert metric_lines(fleet)['nowait:replica_retries_total{engine="ar"}'] >= 1  # a request was on it
     deadline = time.monotonic() + 90  # Ray replaces the dead replica
     while time.monotonic() < deadline:
