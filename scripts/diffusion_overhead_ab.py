@@ -10,7 +10,8 @@ time and this thread's CPU time (one torch thread: on a loaded machine the CPU t
 the waits for a core). Prints each side's median, the median over documents of base / new (how
 many times faster the new side is), whether the tokens are identical on every document, and the
 operations a document dispatches inside the model's forward and outside it (the engine).
-`--new` defaults to this checkout's src.
+`--new` defaults to this checkout's src; `--new-compile` runs the new side with `compile: true`
+(its compile time is printed, not counted).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 NEW_SRC = Path(__file__).resolve().parent.parent / "src"
 
 
-def worker(n: int, structured: bool, threads: int) -> None:
+def worker(n: int, structured: bool, threads: int, compile_step: bool) -> None:
     import torch
 
     torch.set_num_threads(threads)
@@ -39,12 +40,17 @@ def worker(n: int, structured: bool, threads: int) -> None:
 
     docs = documents("test", n)
     loaded = ModelCache().load("diffusion")
-    engine = engine_from(DiffusionEngineConfig.with_options(DiffusionOptions(), max_batch=1),
-                         EngineModel(loaded.model, loaded.codec))
+    config = DiffusionEngineConfig.with_options(DiffusionOptions(), max_batch=1)
+    started = time.perf_counter()
+    if compile_step:
+        config = config.model_copy(update={"compile": True})
+    engine = engine_from(config, EngineModel(loaded.model, loaded.codec))
+    compile_s = time.perf_counter() - started
     max_tokens = TEMPLATE_MAX_TOKENS if structured else ANSWER_WINDOW
     requests = [document_request(doc, loaded.codec, structured, max_tokens=max_tokens) for doc in docs]
     engine.generate(requests[:2])  # warm: first touches, template compilation
-    print(json.dumps(_operations(loaded.model, engine, requests[:5])), flush=True)
+    print(json.dumps({**_operations(loaded.model, engine, requests[:5]), "engine_start_s": round(compile_s, 1)}),
+          flush=True)
     for line in sys.stdin:
         request = requests[int(line)]
         wall, cpu = time.perf_counter(), time.thread_time()
@@ -90,16 +96,18 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=40, help="test documents")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--structured", action="store_true", help="fill each kind's schema template")
+    parser.add_argument("--new-compile", action="store_true", help="the new side with compile: true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.n, args.structured, args.threads)
+        worker(args.n, args.structured, args.threads, args.new_compile)
         return
     command = [sys.executable, __file__, "--worker", "--base", "-", "--n", str(args.n), "--threads", str(args.threads)]
     command += ["--structured"] if args.structured else []
     sides = {}
     for name, src in (("base", args.base), ("new", args.new)):
-        process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        side_command = command + (["--new-compile"] if name == "new" and args.new_compile else [])
+        process = subprocess.Popen(side_command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                    env={**os.environ, "PYTHONPATH": src})
         sides[name] = (process, json.loads(process.stdout.readline()))
     results: dict[str, list[dict]] = {"base": [], "new": []}
@@ -113,7 +121,7 @@ def main() -> None:
         process.stdin.close()
         process.wait()
     pairs = list(zip(results["base"], results["new"], strict=True))
-    report = {"n": args.n, "structured": args.structured, "threads": args.threads,
+    report = {"n": args.n, "structured": args.structured, "threads": args.threads, "new_compile": args.new_compile,
               "identical_docs": sum(b["ids"] == m["ids"] for b, m in pairs),
               "forwards_per_doc": {name: statistics.fmean(r["forwards"] for r in rows)
                                    for name, rows in results.items()}}
