@@ -140,6 +140,21 @@ def test_an_engine_with_the_compiled_step_decodes_the_same_tokens(diffusion, cod
     assert len(calls) < sum(forwards for _, _, forwards in together) / 2
 
 
+def test_rows_made_outside_inference_mode_run_the_warm_up_graph(diffusion, codec):
+    """A server plans its requests outside inference mode (the engine enters it for the steps),
+    so a row's tokens are ordinary tensors: the step still runs the graph the warm-up compiled
+    (a graph compiled again for them took seconds at a server's first request)."""
+    engine = DiffusionEngine(diffusion, codec)
+    counter = CompileCounter()
+    engine.compiled = CompiledBlock(diffusion, backend=counter)
+    engine.compiled.warm_up()
+    with torch.inference_mode(False):
+        streamed = list(engine.stream(GenerationRequest(codec.encode("Name: Ann"), SamplingParams(max_tokens=48))))
+        together = decode(engine, codec, together=False)
+    assert streamed[-1].completion is not None and together
+    assert counter.frame_count == 1
+
+
 def test_the_config_key_builds_an_inductor_step_that_decodes_the_same_tokens(diffusion, codec):
     """The real compiler (generated C++ kernels) through the config key `compile`."""
     target = EngineModel(diffusion, codec)

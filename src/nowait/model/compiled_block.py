@@ -113,6 +113,11 @@ class CompiledBlock:
         positions = torch.arange(start, start + length, device=device)
         rope = self.model.rope(start + length, device)
         read = outputs.reshape(-1)
+        # A row's tokens are made when its request is planned, outside inference mode: an
+        # ordinary tensor's dispatch keys differ, and the graph (compiled for inference tensors)
+        # would be compiled again, seconds in a server's first request. An inference copy of
+        # the few ids is free.
+        span, read = (t if t.is_inference() else t.clone() for t in (span, read))
         if count < 2:  # a size of 1 is a constant to the compiler: read the one row twice, keep one
             read = read.repeat(2)
         logits = self._step(self.model, span.detach(), positions, rope, keys, values, read)
