@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -222,3 +223,35 @@ def test_a_file_without_engines_serves_the_bundled_ones(tmp_path):
     path.write_text("routing:\n  fallback_engine: spec\n")
     config = load_config(path)
     assert set(config.engines) == {"ar", "spec", "diffusion"} and config.routing.fallback_engine == "spec"
+
+
+def test_engine_threads_share_the_cores_among_the_in_process_engines():
+    config = default_config()  # ar, spec and diffusion in process
+    assert config.in_process_engine_names() == ["ar", "spec", "diffusion"]
+    assert [config.engine_threads(cores) for cores in (1, 2, 3, 16)] == [1, 1, 1, 5]
+    one = config.model_copy(update={"engines": {"diffusion": config.engines["diffusion"]}})
+    assert one.engine_threads(2) == 2  # alone, an engine keeps every core
+    pinned = config.model_copy(update={"server": config.server.model_copy(update={"torch_threads": 4})})
+    assert pinned.engine_threads(2) == 4  # the config's number wins
+
+
+def test_the_server_sets_torch_threads_when_it_starts(tmp_path, codec, monkeypatch):
+    import torch
+
+    from tests.gateway_support import base_config, free_port, live_server, save_tiny_models
+
+    models = save_tiny_models(tmp_path / "models", codec)
+    config = base_config(models, tmp_path / "data", free_port())  # 3 engines in process, 1 remote
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(7)))
+    torch.set_num_threads(4)
+    seen = []
+    try:
+        with live_server(config):
+            # Read on a new thread, as an engine's: a thread takes torch's setting at its first
+            # use, so one that ran before (this test's) keeps its own.
+            reader = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+            reader.start()
+            reader.join()
+    finally:
+        torch.set_num_threads(1)  # the suite's setting (tests/conftest.py)
+    assert seen == [2]  # 7 cores // 3 engines

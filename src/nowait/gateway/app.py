@@ -20,6 +20,7 @@ middleware, the error handlers and the routes.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
@@ -44,10 +45,14 @@ def lifespan_of(config: GatewayConfig, backends: dict[str, Backend] | None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if config.server.torch_threads:
+        if config.in_process_engine_names():
             import torch
 
-            torch.set_num_threads(config.server.torch_threads)
+            cores, engines = len(os.sched_getaffinity(0)), len(config.in_process_engine_names())
+            threads = config.engine_threads(cores)
+            torch.set_num_threads(threads)
+            log.info("torch threads: %d (%s)", threads, "server.torch_threads" if config.server.torch_threads
+                     else f"{cores} cores shared by {engines} in-process engines")
         gateway = Gateway(config, backends if backends is not None else build_backends(config))
         await gateway.start()
         app.state.gateway = gateway
