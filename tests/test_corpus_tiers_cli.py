@@ -15,7 +15,7 @@ from nowait.bench.load_session import LoadSession
 from nowait.cli import app
 from nowait.corpus_tiers import check_tier
 from nowait.evaluation import scored_summary
-from nowait.extraction.corpus import documents
+from nowait.extraction.corpus import HELD_OUT_LAYOUTS, documents
 from tests.load_support import save_corpus_models
 
 runner = CliRunner()
@@ -43,6 +43,19 @@ def test_the_summary_of_mixed_documents_has_one_entry_per_tier():
     assert "per_tier" not in scored_summary(texts[:1], docs[:1])  # one tier: the summary is that tier's
     with pytest.raises(ValueError, match="unknown tier 'glossy'"):
         check_tier("glossy")
+
+
+def test_hard_documents_are_also_scored_over_held_out_and_training_layouts():
+    docs = documents("test", 30, tier="hard")  # 40% of the test split's hard documents are held-out layouts
+    held_out = [d.layout in HELD_OUT_LAYOUTS for d in docs]
+    assert any(held_out) and not all(held_out)
+    texts = [d.answer_json() if out else "not json" for d, out in zip(docs, held_out, strict=True)]
+    layouts = scored_summary(texts, docs)["hard_layouts"]
+    assert layouts["held_out"]["field_accuracy"] == 1.0 and layouts["training"]["field_accuracy"] == 0.0
+    assert layouts["held_out"]["n"] == sum(held_out)
+    validation = documents("validation", 6, tier="hard")  # training layouts only: no empty group
+    assert set(scored_summary(["not json"] * 6, validation)["hard_layouts"]) == {"training"}
+    assert "hard_layouts" not in scored_summary(["not json"] * 2, documents("test", 2))  # clean: none
 
 
 def test_calibrate_reads_the_tier_and_reports_each(models):

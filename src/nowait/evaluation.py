@@ -24,7 +24,7 @@ from nowait.engines.diffusion.reference import reference_decode
 from nowait.engines.diffusion.request import DiffusionOptions
 from nowait.engines.factory import EngineModel, engine_from
 from nowait.engines.speculative import SpeculativeEngine
-from nowait.extraction.corpus import KINDS, Document, documents, schema_for
+from nowait.extraction.corpus import HELD_OUT_LAYOUTS, KINDS, Document, documents, schema_for
 from nowait.extraction.scorer import parse_json_object, schema_valid, score_document, summarize
 from nowait.model import Transformer
 from nowait.tokenizer import TextCodec, document_prompt, extraction_prompt
@@ -70,13 +70,21 @@ def decode_documents(model: Transformer, codec: TextCodec, docs: list[Document],
 
 def scored_summary(texts: list[str], docs: list[Document]) -> dict:
     """The scorer's summary of the answers (`nowait.extraction.scorer.summarize`); for documents
-    of several tiers (`--tier mixed`), the same summary per tier under `per_tier`."""
+    of several tiers (`--tier mixed`), the same summary per tier under `per_tier`; for hard-tier
+    documents, the same over their held-out layouts and over the training layouts under
+    `hard_layouts` (`held_out`, `training`; a group with no document is left out)."""
     scores = [score_document(text, d.fields, d.kind) for text, d in zip(texts, docs, strict=True)]
     summary = summarize(scores)
     tiers = sorted({d.tier for d in docs})
     if len(tiers) > 1:
         summary["per_tier"] = {tier: summarize(s for s, d in zip(scores, docs, strict=True) if d.tier == tier)
                                for tier in tiers}
+    hard = [(score, doc.layout in HELD_OUT_LAYOUTS) for score, doc in zip(scores, docs, strict=True)
+            if doc.tier == "hard"]
+    groups = {name: [score for score, held_out in hard if held_out == wanted]
+              for name, wanted in (("held_out", True), ("training", False))}
+    if hard:
+        summary["hard_layouts"] = {name: summarize(group) for name, group in groups.items() if group}
     return summary
 
 
