@@ -381,3 +381,26 @@ def test_a_stream_that_fails_midway_ends_with_an_error_event_and_done(server, mo
     error = json.loads(lines[-2].removeprefix("data:"))["error"]
     assert error["type"] == "server_error" and "RuntimeError" in error["message"]
     assert backend.in_flight == 0
+
+
+def test_a_schema_is_checked_against_the_metaschema_once_and_a_bad_one_every_time(monkeypatch):
+    from jsonschema import Draft202012Validator
+
+    from nowait.gateway import prompts
+    from nowait.gateway.errors import APIError
+
+    checked = []
+    real = Draft202012Validator.check_schema
+    monkeypatch.setattr(Draft202012Validator, "check_schema",
+                        classmethod(lambda cls, schema: checked.append(schema) or real(schema)))
+    prompts._valid_json_schema.cache_clear()
+    good = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}}
+    reordered = {"properties": {"b": {"type": "integer"}, "a": {"type": "string"}}, "type": "object"}
+    for schema in (good, reordered, good):
+        prompts.check_schema(schema)
+    assert len(checked) == 1  # the same schema, whatever its key order
+    bad = {"type": "object", "properties": {"a": {"type": "nonsense"}}}
+    for _ in range(2):
+        with pytest.raises(APIError, match="not a valid JSON Schema at properties/a/type"):
+            prompts.check_schema(bad)
+    assert len(checked) == 3

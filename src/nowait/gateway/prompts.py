@@ -9,6 +9,7 @@ A conversation with earlier assistant turns is rendered turn by turn instead.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -71,10 +72,19 @@ def response_schema(response_format: ResponseFormat | None) -> tuple[dict | None
     return spec.schema_, True
 
 
+@functools.lru_cache(maxsize=1024)
+def _valid_json_schema(canonical: str) -> bool:
+    """Checks the schema (canonical JSON) against the metaschema, raising SchemaError: clients
+    send the same few schemas again and again, and the check took 1.7 ms of a 28 ms request. A
+    refused schema raises, so it is not cached and is checked again when it comes back."""
+    Draft202012Validator.check_schema(json.loads(canonical))
+    return True
+
+
 def check_schema(schema: dict) -> None:
     """Refuse a schema that is not a valid JSON Schema before any engine sees it."""
     try:
-        Draft202012Validator.check_schema(schema)
+        _valid_json_schema(json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False))
     except SchemaError as error:
         where = "/".join(str(p) for p in error.absolute_path)
         raise bad_request(f"response_format.json_schema.schema is not a valid JSON Schema"
