@@ -12,15 +12,8 @@
 # without a GPU. NOWAIT_GPU_CHECK_ONLY=NAME,NAME runs only those steps (the others are listed as
 # skipped), e.g. to check one step's command line on a CPU.
 set -u
-if [ $# -lt 1 ]; then
-    echo "usage: scripts/gpu-check.sh OUT_DIR [--cpu-smoke]" >&2
-    exit 2
-fi
-out=$1
-smoke=${NOWAIT_CPU_SMOKE:-0}
-[ "${2:-}" = "--cpu-smoke" ] && smoke=1
 # shellcheck source=scripts/gpu-lib.sh
-source "$(dirname "$0")/gpu-lib.sh"
+source "$(dirname "$0")/gpu-lib.sh" "$@"  # OUT_DIR and --cpu-smoke read there
 
 # The timeouts are the GPU's; a smoke run on a shared CPU gets four times each.
 if [ "$smoke" = 1 ]; then

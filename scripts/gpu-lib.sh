@@ -1,8 +1,16 @@
-# Shared by scripts/gpu-check.sh and scripts/gpu-train.sh (sourced, after `out` and `smoke` are set):
-# the interpreter that runs nowait (the device's, or a venv built from the wheels that
-# scripts/gpu-wheels.sh put in .gpu-wheels/), OUT_DIR/summary.tsv, and `step`, which runs one
-# `nowait` command under its own timeout (times `scale`), its JSON kept and its exit status recorded.
+# Shared by scripts/gpu-check.sh and scripts/gpu-train.sh (sourced with the script's arguments):
+# OUT_DIR (`out`) and --cpu-smoke or NOWAIT_CPU_SMOKE=1 (`smoke`); the interpreter that runs nowait
+# (the device's, or a venv built from the wheels that scripts/gpu-wheels.sh put in .gpu-wheels/);
+# OUT_DIR/summary.tsv; and `step`, which runs one `nowait` command under its own timeout (times
+# `scale`), its JSON kept and its exit status recorded.
 # NOWAIT_GPU_CHECK_ONLY=NAME,NAME runs only those steps (the others are listed as skipped).
+if [ $# -lt 1 ]; then
+    echo "usage: scripts/$(basename "$0") OUT_DIR [--cpu-smoke]" >&2
+    exit 2
+fi
+out=$1
+smoke=${NOWAIT_CPU_SMOKE:-0}
+[ "${2:-}" = "--cpu-smoke" ] && smoke=1
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 python=${PYTHON:-python3}
 [ -x "$root/.venv/bin/python" ] && [ -z "${PYTHON:-}" ] && python="$root/.venv/bin/python"

@@ -22,15 +22,8 @@
 # --cpu-smoke (or NOWAIT_CPU_SMOKE=1) runs the same steps on the CPU with a few optimizer steps and
 # documents each, to check the script without a GPU.
 set -u
-if [ $# -lt 1 ]; then
-    echo "usage: scripts/gpu-train.sh OUT_DIR [--cpu-smoke]" >&2
-    exit 2
-fi
-out=$1
-smoke=${NOWAIT_CPU_SMOKE:-0}
-[ "${2:-}" = "--cpu-smoke" ] && smoke=1
 # shellcheck source=scripts/gpu-lib.sh
-source "$(dirname "$0")/gpu-lib.sh"
+source "$(dirname "$0")/gpu-lib.sh" "$@"  # OUT_DIR and --cpu-smoke read there
 
 minutes=${NOWAIT_TRAIN_MINUTES:-3}
 runs=${NOWAIT_TRAIN_RUNS:-/tmp/nowait-train-runs}  # checkpoints and logs: not brought back
