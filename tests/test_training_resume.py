@@ -145,3 +145,27 @@ def test_a_state_whose_optimizer_fits_other_parameters_is_refused_in_one_line(ti
     assert "its optimizer state does not fit this model's parameters" in result.output
     assert "Traceback" not in result.output
     assert (tmp_path / "run" / "state.pt").read_bytes() == before
+
+
+def train_killed_while_saving(start: Path, run: Path) -> None:
+    """In the forked process: `nowait train`, killed halfway through writing its second checkpoint."""
+    real_save, saves = torch.save, []
+
+    def dying_save(state, target, *args, **kwargs):
+        saves.append(target)
+        if len(saves) == 2:  # the checkpoint at step 8: part of the file written, then the kill
+            Path(target).write_bytes(b"half a checkpoint")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_save(state, target, *args, **kwargs)
+
+    torch.save = dying_save  # this process is a copy: the test's own torch is untouched
+    CliRunner().invoke(app, train_args(start, run))
+
+
+def test_a_run_killed_while_writing_its_checkpoint_keeps_the_previous_one(tiny_start, tmp_path):
+    killed = multiprocessing.get_context("fork").Process(target=train_killed_while_saving, args=(tiny_start, tmp_path))
+    killed.start()
+    killed.join(timeout=300)
+    assert killed.exitcode == -signal.SIGKILL
+    assert state(tmp_path)["step"] == EVAL_EVERY  # the checkpoint before the one cut short, whole
+    assert train(tiny_start, tmp_path)["step"] == STEPS  # and the run resumes from it

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing
+import os
 import random
 import time
 from collections import deque
@@ -362,6 +363,15 @@ class ResumeError(ValueError):
     """A run directory's state.pt that this run cannot resume."""
 
 
+def save_atomically(state: dict, path: Path) -> None:
+    """torch.save to a sibling file, then one rename over `path`: a run killed while it writes
+    keeps its previous state.pt whole (written in place, the kill left a truncated file that no
+    resume could read)."""
+    partial = path.with_name(path.name + ".partial")
+    torch.save(state, partial)
+    os.replace(partial, path)
+
+
 def train(settings: TrainSettings, run_dir: Path, export_dir: Path, tokenizer_path: Path,
           progress: Callable[[int, dict], None] | None = None) -> dict:
     """Train (or resume) a model; export the best validation checkpoint to `export_dir`.
@@ -446,8 +456,8 @@ def train(settings: TrainSettings, run_dir: Path, export_dir: Path, tokenizer_pa
                     "kind": settings.kind, "step": step, "validation": metrics,
                     "settings": {k: v for k, v in asdict(settings).items() if k != "model"},
                 })
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                        "data_index": data_index, "best": best, "steps": settings.steps}, state_path)
+            save_atomically({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                             "data_index": data_index, "best": best, "steps": settings.steps}, state_path)
         if progress:
             progress(step, {**record, "steps": settings.steps})
     batches.close()
