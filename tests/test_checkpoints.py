@@ -132,3 +132,21 @@ def test_load_in_bfloat16(saved):
         reference = model(sample_ids())
     assert logits.dtype == torch.bfloat16
     assert_close(logits.float(), reference, atol=0.25, rtol=0.05)
+
+
+def test_an_export_cut_short_leaves_the_previous_weights_whole(tmp_path, codec, monkeypatch):
+    from tests.conftest import build_model
+
+    save_pretrained(build_model(1, vocab_size=codec.vocab_size), codec, tmp_path)
+    before = (tmp_path / "model.safetensors").read_bytes()
+
+    def cut_short(state, filename, metadata=None):
+        with open(filename, "wb") as half:
+            half.write(before[: len(before) // 2])
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr("nowait.checkpoints.save_file", cut_short)
+    with pytest.raises(OSError, match="no space"):
+        save_pretrained(build_model(2, vocab_size=codec.vocab_size), codec, tmp_path)
+    assert (tmp_path / "model.safetensors").read_bytes() == before  # not the half written beside it
+    assert load_pretrained(tmp_path).model is not None

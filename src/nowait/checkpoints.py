@@ -27,6 +27,7 @@ from nowait.gemma_checkpoint import diffusion_gemma_config, load_diffusion_gemma
 from nowait.hub_tokenizer import read_tokenizer
 from nowait.model import ModelConfig, Transformer
 from nowait.model.transformer import fuse_projections
+from nowait.paths import write_replacing
 from nowait.tokenizer import END, MASK, TextCodec
 
 __all__ = ["ARCHITECTURES", "CheckpointError", "LoadedModel", "load_pretrained", "save_pretrained"]
@@ -96,7 +97,10 @@ def save_pretrained(model: Transformer, codec: TextCodec, directory: str | Path,
     # .clone(): the state dict's q/k/v and gate/up are views of the fused tensors, and safetensors
     # refuses tensors that share memory.
     state = {_llama_tensor_name(k): v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    # Replaced whole: `nowait train` exports over the bundled model, and a kill mid-write would
+    # leave it truncated.
+    write_replacing(directory / "model.safetensors", lambda partial: save_file(state, str(partial),
+                                                                               metadata={"format": "pt"}))
     hf = config_to_hf(model.config)
     if notes:
         hf["nowait"]["training"] = notes

@@ -1,7 +1,10 @@
-"""Where the bundled assets live (package data) and how models are named."""
+"""Where the bundled assets live (package data), how models are named, and how a file is
+replaced whole."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -20,3 +23,11 @@ def model_dir(name: str) -> Path:
 def sample_document() -> Path:
     """A KYC form bundled for `nowait extract` with no file (from the test split's stream)."""
     return ASSETS / "samples" / "kyc_form.txt"
+
+
+def write_replacing(path: Path, write: Callable[[Path], object]) -> None:
+    """`write(partial)` to a file beside `path`, then one rename over it: a process killed while
+    it writes leaves the old file whole (a checkpoint written in place was left truncated)."""
+    partial = path.with_name(path.name + ".partial")
+    write(partial)
+    os.replace(partial, path)

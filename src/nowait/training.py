@@ -19,10 +19,10 @@ batches a pure function of its first data index, so a GPU run is not starved by 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import multiprocessing
-import os
 import random
 import time
 from collections import deque
@@ -48,6 +48,7 @@ from nowait.extraction.corpus import (
     training_stream,
 )
 from nowait.model import ModelConfig, Transformer
+from nowait.paths import write_replacing
 from nowait.tokenizer import END, TextCodec, document_prompt, extraction_prompt, train_tokenizer
 
 MODEL_PRESETS: dict[str, dict] = {
@@ -363,14 +364,6 @@ class ResumeError(ValueError):
     """A run directory's state.pt that this run cannot resume."""
 
 
-def save_atomically(state: dict, path: Path) -> None:
-    """torch.save to a sibling file, then one rename over `path`: a run killed while it writes
-    keeps its previous state.pt whole (written in place, the kill left a truncated file that no
-    resume could read)."""
-    partial = path.with_name(path.name + ".partial")
-    torch.save(state, partial)
-    os.replace(partial, path)
-
 
 def train(settings: TrainSettings, run_dir: Path, export_dir: Path, tokenizer_path: Path,
           progress: Callable[[int, dict], None] | None = None) -> dict:
@@ -456,8 +449,9 @@ def train(settings: TrainSettings, run_dir: Path, export_dir: Path, tokenizer_pa
                     "kind": settings.kind, "step": step, "validation": metrics,
                     "settings": {k: v for k, v in asdict(settings).items() if k != "model"},
                 })
-            save_atomically({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                             "data_index": data_index, "best": best, "steps": settings.steps}, state_path)
+            checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                          "data_index": data_index, "best": best, "steps": settings.steps}
+            write_replacing(state_path, functools.partial(torch.save, checkpoint))
         if progress:
             progress(step, {**record, "steps": settings.steps})
     batches.close()
