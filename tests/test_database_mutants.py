@@ -162,6 +162,13 @@ def test_an_error_is_told_by_its_first_line_without_a_password():
     assert first_line(error) == "postgresql://u:***@db:5432/x"
     assert first_line(TimeoutError()) == "TimeoutError"
     assert first_line(TimeoutError("  \n ")) == "TimeoutError"
+    # Inside a sentence, several in a line, and libpq's key=value form, quoted or not.
+    quoted = RuntimeError('invalid dsn: "postgresql://app:s3cr3t@db/x" and postgres://:pw@h2/y, retrying')
+    assert first_line(quoted) == 'invalid dsn: "postgresql://app:***@db/x" and postgres://:***@h2/y, retrying'
+    conninfo = RuntimeError("connection to host=db user=app password=s3cr3t dbname=x failed; password = 'a b\\'c' ok")
+    assert first_line(conninfo) == "connection to host=db user=app password=*** dbname=x failed; password = *** ok"
+    assert first_line(RuntimeError("https://example.com/a:b no password here")) == \
+        "https://example.com/a:b no password here"
 
 
 def test_on_postgresql_the_same_statements_commit_roll_back_and_read_by_name(postgres_url):

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from nowait.store.url import StoreError, StoreURL, parse_store_url, redact
+from nowait.store.url import StoreError, StoreURL, parse_store_url, redact, redact_text
 
 log = logging.getLogger("nowait.store")
 T = TypeVar("T")
@@ -145,7 +145,7 @@ def _pool_timeout() -> type[Exception]:
 
 def first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
-    return redact(text[0]) if text else type(error).__name__
+    return redact_text(text[0]) if text else type(error).__name__
 
 
 def open_database(url: str | StoreURL) -> Database:

@@ -43,6 +43,18 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
 
 
+# A URL's user:password@ anywhere in a text, and a conninfo's password=VALUE (libpq's key=value
+# form, quoted or not): what a driver's error message may echo back.
+URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^\s:/@]*:)[^\s@]*@", re.IGNORECASE)
+CONNINFO_PASSWORD = re.compile(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
+
+
+def redact_text(text: str) -> str:
+    """`text` with every password in it replaced by `***`: in URLs (wherever they stand in the
+    line) and in `password=...` settings. For driver errors, which may quote the connection."""
+    return CONNINFO_PASSWORD.sub(r"\1***", URL_PASSWORD.sub(r"\1***@", text))
+
+
 def parse_store_url(url: str) -> StoreURL:
     url = url.strip()
     if url.startswith("sqlite://"):
