@@ -115,10 +115,30 @@ def test_a_python_without_nowaits_packages_and_no_wheels_says_so(tmp_path):
     bare.chmod(0o755)
     (tmp_path / "wheels").mkdir()
     env = {**os.environ, "PYTHON": str(bare), "NOWAIT_GPU_WHEELS": str(tmp_path / "wheels"),
-           "NOWAIT_GPU_CHECK_ONLY": "none"}
+           "NOWAIT_GPU_CHECK_ONLY": "none", "NOWAIT_GPU_VENV": str(tmp_path / "no-venv")}
     out = tmp_path / "out"
     done = subprocess.run(["bash", str(SCRIPT), str(out), "--cpu-smoke"], env=env, capture_output=True, text=True,
                           timeout=120)
     assert "holds no wheels" in done.stderr
     assert "wheels\tskipped (no wheels)\t0" in (out / "summary.tsv").read_text()
     assert "No module named" in (out / "wheels.err").read_text()
+
+
+def test_a_venv_an_earlier_run_built_is_used_again(tmp_path):
+    """The second prepared run on a warm machine (gpu-train.sh after gpu-check.sh) takes the venv
+    the first built, without installing the wheels again."""
+    bare = tmp_path / "bare-python"
+    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+    bare.chmod(0o755)
+    built = tmp_path / "venv" / "bin"
+    built.mkdir(parents=True)
+    (built / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')  # one where nowait imports
+    (built / "python").chmod(0o755)
+    env = {**os.environ, "PYTHON": str(bare), "NOWAIT_GPU_WHEELS": str(tmp_path / "no-wheels"),
+           "NOWAIT_GPU_CHECK_ONLY": "none", "NOWAIT_GPU_VENV": str(tmp_path / "venv")}
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", str(SCRIPT), str(out), "--cpu-smoke"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"wheels\treused {tmp_path / 'venv'}\t0" in (out / "summary.tsv").read_text()
+    assert json.loads((out / "env.json").read_text())["python_executable"] == sys.executable
