@@ -335,3 +335,29 @@ def test_a_sampled_stream_whose_replica_died_ends_with_an_error():
     with pytest.raises(APIError) as lost:
         _stream_through_a_lost_replica(0.8, ["Hello", " world"])
     assert lost.value.code == "replica_lost" and lost.value.status == 502
+
+
+def test_a_cluster_process_whose_environment_was_rewritten_is_still_found_by_its_parent(tmp_path):
+    """Ray retitles its agents, which overwrites the environment /proc shows: `fleet down` finds
+    them as the children of the cluster's processes (an agent otherwise outlived `fleet down`)."""
+    import os
+    import time
+    from pathlib import Path
+
+    from nowait.fleet.cluster import MARKER, cluster_processes
+
+    marker = str(tmp_path / "cluster")
+    # The parent carries the marker; its child starts with an empty environment (`env -i`).
+    parent = subprocess.Popen(["bash", "-c", "env -i sleep 60 & wait"], env={MARKER: marker, "PATH": os.defpath})
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(cluster_processes(marker)) < 2:
+            time.sleep(0.05)
+        found = cluster_processes(marker)
+        assert parent.pid in found and len(found) == 2
+        child = next(pid for pid in found if pid != parent.pid)
+        assert MARKER.encode() not in Path(f"/proc/{child}/environ").read_bytes()  # found by its parent alone
+    finally:
+        for pid in cluster_processes(marker):
+            os.kill(pid, 9)
+        parent.wait()

@@ -102,7 +102,19 @@ def cluster_processes(marker: str) -> list[int]:
     ours = {pid for pid, environ in environs.items() if wanted in environ}
     raylets = {f"RAY_RAYLET_PID={pid}".encode() for pid in ours}
     ours |= {pid for pid, environ in environs.items() if raylets.intersection(environ)}
+    # And their descendants: Ray retitles its agents (setproctitle), which writes over the
+    # environment /proc shows, so an agent's marker can be gone; it is still a raylet's child.
+    parents = {pid: _parent(pid) for pid in pids}
+    while more := {pid for pid, parent in parents.items() if parent in ours and pid not in ours}:
+        ours |= more
     return sorted(ours)
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None  # ended
 
 
 def _running(pid: int) -> bool:
