@@ -79,12 +79,12 @@ def scored_summary(texts: list[str], docs: list[Document]) -> dict:
     if len(tiers) > 1:
         summary["per_tier"] = {tier: summarize(s for s, d in zip(scores, docs, strict=True) if d.tier == tier)
                                for tier in tiers}
-    hard = [(score, doc.layout in HELD_OUT_LAYOUTS) for score, doc in zip(scores, docs, strict=True)
-            if doc.tier == "hard"]
-    groups = {name: [score for score, held_out in hard if held_out == wanted]
-              for name, wanted in (("held_out", True), ("training", False))}
-    if hard:
-        summary["hard_layouts"] = {name: summarize(group) for name, group in groups.items() if group}
+    groups: dict[str, list] = {}
+    for score, doc in zip(scores, docs, strict=True):
+        if doc.tier == "hard":
+            groups.setdefault("held_out" if doc.layout in HELD_OUT_LAYOUTS else "training", []).append(score)
+    if groups:
+        summary["hard_layouts"] = {name: summarize(groups[name]) for name in ("held_out", "training") if name in groups}
     return summary
 
 

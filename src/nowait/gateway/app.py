@@ -45,10 +45,11 @@ def lifespan_of(config: GatewayConfig, backends: dict[str, Backend] | None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if config.in_process_engine_names():
+        engines = len(config.in_process_engine_names())
+        if engines:
             import torch
 
-            cores, engines = len(os.sched_getaffinity(0)), len(config.in_process_engine_names())
+            cores = len(os.sched_getaffinity(0))
             threads = config.engine_threads(cores)
             torch.set_num_threads(threads)
             log.info("torch threads: %d (%s)", threads, "server.torch_threads" if config.server.torch_threads
