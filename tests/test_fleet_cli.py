@@ -72,17 +72,20 @@ def kill_one_replica_under_load(url: str, pid: int) -> list[str]:
     return errors
 
 
-@pytest.mark.parametrize("mode", ["direct_ingress", "throughput_optimized"])
+@pytest.mark.parametrize("mode", ["direct_ingress", "throughput_optimized", "placement_gateway"])
 def test_fleet_up_status_down(tmp_path, codec, mode):
     models = save_tiny_models(tmp_path / "models", codec)
     port = free_port()
-    replicas = 1 if mode == "direct_ingress" else 2  # gRPC's replica death is tested with a second one left
+    replicas = 2 if mode == "throughput_optimized" else 1  # gRPC's replica death is tested with a second one left
+    # placement: gateway: the engine runs inside the (direct-ingress) gateway replica, no deployment of its own.
+    engine_fleet = ({"cpus_per_replica": 0.5, "placement": "gateway"} if mode == "placement_gateway"
+                    else {"cpus_per_replica": 0.5, "replicas": {"min": replicas, "max": replicas}})
+    switch = "direct_ingress" if mode == "placement_gateway" else mode
     config = {"auth": {"api_keys": [API_KEY], "api_keys_env": None}, "data_dir": str(tmp_path / "data"),
               "engines": {"ar": {"kind": "ar", "model": models["ar"], "max_num_seqs": 4,
-                                 "fleet": {"cpus_per_replica": 0.5,
-                                           "replicas": {"min": replicas, "max": replicas}}}},
+                                 "fleet": engine_fleet}},
               "routing": {"fast_engine": None}, "defaults": {"max_tokens": 4},
-              "fleet": {"port": port, mode: True}}
+              "fleet": {"port": port, switch: True}}
     (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(config))
     env = {**os.environ, "NOWAIT_FLEET_STATE": str(tmp_path / "state.json"), "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}  # passed on to Serve: nothing to drain here
@@ -113,6 +116,9 @@ def test_fleet_up_status_down(tmp_path, codec, mode):
         assert engine["name"] == "ar" and len(engine["replicas"]) == replicas
         assert set(engine["replicas"][0]) == {"id", "node", "pid", "state", "running", "waiting"}
         assert {r["state"] for r in engine["replicas"]} == {"RUNNING"}
+        assert engine["placement"] == ("gateway" if mode == "placement_gateway" else "replicas")
+        if mode == "placement_gateway":  # the engine's replica is the gateway replica's process itself
+            assert engine["replicas"][0]["pid"] == gateway
         if mode == "throughput_optimized":
             environ = Path(f"/proc/{engine['replicas'][0]['pid']}/environ").read_bytes().split(b"\0")
             assert b"RAY_SERVE_THROUGHPUT_OPTIMIZED=1" in environ  # Ray's switch reached the engine replica

@@ -123,6 +123,53 @@ def test_affinity_key_is_the_prompt_beginning():
     assert affinity_key(chat("one")) != affinity_key(Call("r", "completions", "ar", chat("one").meta, prompt="y"))
 
 
+def test_an_engine_placed_in_the_gateway_is_no_deployment_and_its_resources_are_the_gateways():
+    from nowait.fleet.deploy import colocated_replicas, fleet_application
+    from nowait.fleet.ingress import colocated_engine_names, colocated_torch_threads
+
+    engines = {"diffusion": {"kind": "diffusion", "fleet": {"placement": "gateway", "cpus_per_replica": 2,
+                                                            "gpus_per_replica": 0.5}},
+               "spec": {"kind": "spec", "draft": "draft", "fleet": {"placement": "gateway", "cpus_per_replica": 3}},
+               "ar": {"kind": "ar", "fleet": {"replicas": {"min": 2, "max": 2}}}}
+    config = parse_config({"engines": engines})
+    assert colocated_engine_names(config) == ["diffusion", "spec"]
+    gateway = fleet_application(config)._bound_deployment
+    assert gateway.ray_actor_options == {"num_cpus": 5, "num_gpus": 0.5}  # what its own engines hold
+    assert set(gateway.init_args[1]) == {"ar"}  # the only engine reached through a handle
+    assert colocated_torch_threads(config) == 2  # 5 CPUs shared by two engines
+    assert colocated_torch_threads(parse_config({"engines": engines, "server": {"torch_threads": 4}})) is None
+    only_replicas = parse_config({"engines": {"ar": engines["ar"]}, "routing": {"fast_engine": None}})
+    assert colocated_torch_threads(only_replicas) is None
+    with pytest.raises(ConfigError, match="replicas has no effect with placement: gateway"):
+        parse_config({"engines": {"ar": {"kind": "ar", "fleet": {"placement": "gateway",
+                                                                 "replicas": {"min": 2, "max": 2}}}},
+                      "routing": {"fast_engine": None}})
+    rows = [{"id": "g1", "pid": 11, "state": "RUNNING", "load": {"diffusion": {"running": 1, "waiting": 0},
+                                                                   "spec": {"running": 0, "waiting": 2}}},
+            {"id": "g2", "pid": 12, "state": "STARTING", "load": {}}]
+    placed = colocated_replicas(rows)
+    assert {k: [(r["id"], r["pid"], r["load"]["running"], r["placement"]) for r in v] for k, v in placed.items()} == {
+        "diffusion": [("g1", 11, 1, "gateway")], "spec": [("g1", 11, 0, "gateway")]}
+
+
+def test_a_gateway_replica_runs_its_own_engine_and_fails_its_health_check_when_it_died(tmp_path, codec):
+    from nowait.fleet.ingress import GatewayIngress
+
+    models = save_tiny_models(tmp_path, codec)
+    config = parse_config({"engines": {"ar": {"kind": "ar", "model": models["ar"], "max_num_seqs": 2,
+                                              "fleet": {"placement": "gateway"}}},
+                           "routing": {"fast_engine": None}, "data_dir": str(tmp_path / "data")})
+    replica = GatewayIngress.__mro__[1](config, {})  # the class under Serve's ASGI wrapper (serve.ingress)
+    backend = replica.owned_backend("ar", config.engines["ar"])
+    assert type(backend).__name__ == "OwnedBackend" and replica.colocated == {"ar": backend}
+    assert replica.record_routing_stats() == {"ar": {"running": 0, "waiting": 0, "free_cache": 2}}
+    backend.worker.start()
+    replica.check_health()  # serving
+    backend.worker.stop()
+    with pytest.raises(RuntimeError, match="engine 'ar': its worker thread has stopped"):
+        replica.check_health()
+
+
 def test_an_engine_replica_whose_thread_died_fails_its_health_check(tmp_path, codec):
     from nowait.fleet.replica import EngineReplica
 

@@ -49,6 +49,18 @@ class FleetEngineConfig(Strict):
     cpus_per_replica: float = Field(1.0, ge=0, description="CPUs each replica holds (fractions allowed)")
     target_ongoing_requests: float = Field(8.0, gt=0, description="requests per replica the autoscaler aims "
                                                                   "at (replicas.min < replicas.max)")
+    placement: Literal["replicas", "gateway"] = Field(
+        "replicas", description="replicas: a deployment of its own, reached from the gateway replicas through a "
+                                "handle; gateway: inside every gateway replica's process, as in `nowait serve` "
+                                "(no hop between gateway and engine; one copy per gateway replica)")
+
+    @model_validator(mode="after")
+    def _one_copy_per_gateway(self) -> FleetEngineConfig:
+        # In the gateway, the engine's copies are the gateway's replicas: a count of its own cannot hold.
+        if self.placement == "gateway" and self.replicas != ReplicaRange():
+            raise ValueError("replicas has no effect with placement: gateway (the engine runs once in each of "
+                             "fleet.gateway_replicas): leave it out, or use placement: replicas")
+        return self
 
 
 class OwnedEngineConfig(Strict):

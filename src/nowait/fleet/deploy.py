@@ -20,7 +20,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from nowait.engines.config import DiffusionEngineConfig, FleetEngineConfig, OwnedEngineSpec, RemoteEngineConfig
-from nowait.fleet.ingress import GatewayIngress
+from nowait.fleet.ingress import GatewayIngress, colocated_engine_names, colocated_resources
 from nowait.fleet.replica import EngineReplica
 from nowait.fleet.router import NowaitRequestRouter
 from nowait.gateway.config import GatewayConfig
@@ -98,17 +98,19 @@ def engine_env(config: GatewayConfig) -> dict[str, str]:
 
 
 def fleet_application(config: GatewayConfig) -> serve.Application:
-    """The gateway ingress bound to one deployment per owned engine (remote upstreams stay in it)."""
-    engines, engine_switches = {}, engine_env(config)
+    """The gateway ingress bound to one deployment per owned engine placed on replicas (remote
+    upstreams and the engines with `fleet.placement: gateway` run in it)."""
+    engines, engine_switches, colocated = {}, engine_env(config), colocated_engine_names(config)
     for name, spec in config.engines.items():
-        if isinstance(spec, RemoteEngineConfig):
+        if isinstance(spec, RemoteEngineConfig) or name in colocated:
             continue
         options = engine_options(spec)
         if engine_switches:
             options["ray_actor_options"]["runtime_env"] = {"env_vars": engine_switches}
         deployment = serve.deployment(EngineReplica, name=engine_deployment_name(name), **options)
         engines[name] = deployment.bind(name, spec, config.metrics_window_s, config.defaults.max_tokens)
-    actor_options: dict = {"num_cpus": 0}
+    cpus, gpus = colocated_resources(config)
+    actor_options: dict = {"num_cpus": cpus, **({"num_gpus": gpus} if gpus else {})}
     env = direct_ingress_env(config)
     if env is not None:
         actor_options["runtime_env"] = {"env_vars": env}
@@ -170,22 +172,38 @@ def _serve_details() -> dict:
     return _get_global_client().get_serve_details()
 
 
+def _replica_rows(deployment: dict) -> list[dict]:
+    """A deployment's replicas: id, actor, node, pid, state and, for a running one, its load report."""
+    rows = []
+    for r in deployment.get("replicas") or []:
+        state = str(getattr(r.get("state"), "value", r.get("state")))  # RUNNING, STARTING, ...
+        rows.append({"id": r["replica_id"], "actor_name": r["actor_name"], "node": r.get("node_id"),
+                     "pid": r.get("pid"), "state": state,
+                     "load": _replica_load(r["actor_name"]) if state == "RUNNING" else {}})
+    return rows
+
+
+def colocated_replicas(gateway_rows: list[dict]) -> dict[str, list[dict]]:
+    """The engines with `placement: gateway`: one row per gateway replica, its load from the
+    replica's report of its own engines by name (`GatewayIngress.record_routing_stats`)."""
+    engines: dict[str, list[dict]] = {}
+    for row in gateway_rows:
+        for engine, load in row["load"].items():
+            engines.setdefault(engine, []).append({**row, "load": load, "placement": "gateway"})
+    return engines
+
+
 def engine_replicas(details: dict | None = None) -> dict[str, list[dict]]:
     """Each engine's replicas: id, actor, node, pid, state and, for a running one, its full load
-    report (`EngineReplica.load`)."""
+    report (`EngineReplica.load`); an engine placed in the gateway has the gateway's replicas."""
     details = details or _serve_details()
     app = (details.get("applications") or {}).get(APP_NAME) or {"deployments": {}}
     engines = {}
     for name, deployment in app["deployments"].items():
         if name == GATEWAY:
-            continue
-        rows = []
-        for r in deployment.get("replicas") or []:
-            state = str(getattr(r.get("state"), "value", r.get("state")))  # RUNNING, STARTING, ...
-            rows.append({"id": r["replica_id"], "actor_name": r["actor_name"], "node": r.get("node_id"),
-                         "pid": r.get("pid"), "state": state,
-                         "load": _replica_load(r["actor_name"]) if state == "RUNNING" else {}})
-        engines[name.removeprefix("engine-")] = rows
+            engines.update(colocated_replicas(_replica_rows(deployment)))
+        else:
+            engines[name.removeprefix("engine-")] = _replica_rows(deployment)
     return engines
 
 
@@ -198,9 +216,10 @@ def fleet_status() -> dict:
         return {"engines": [], "gateway_replicas": 0, "url": None, "urls": []}
     http = details.get("http_options") or {}
     gateway = app["deployments"].get(GATEWAY) or {}
-    engines = [{"name": name, "replicas": [{"id": r["id"], "node": r["node"], "pid": r["pid"], "state": r["state"],
-                                            "running": r["load"].get("running", 0),
-                                            "waiting": r["load"].get("waiting", 0)} for r in rows]}
+    engines = [{"name": name, "placement": rows[0].get("placement", "replicas") if rows else "replicas",
+                "replicas": [{"id": r["id"], "node": r["node"], "pid": r["pid"], "state": r["state"],
+                              "running": r["load"].get("running", 0), "waiting": r["load"].get("waiting", 0)}
+                             for r in rows]}
                for name, rows in engine_replicas(details).items()]
     urls = direct_urls(details) or [f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}"]
     return {"engines": engines,

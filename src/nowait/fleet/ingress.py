@@ -1,7 +1,9 @@
 """The gateway of a fleet: the ingress deployment, serving the same FastAPI app as `nowait serve`
-(gateway/app.py), its owned engines reached through their deployments (FleetBackend), its remote
-upstreams from here as in `nowait serve`. Each gateway replica names itself in batch leases and
-its audit chain, so several share one PostgreSQL store.
+(gateway/app.py). An owned engine with `fleet.placement: replicas` (the default) is reached through
+its deployment (FleetBackend); one with `placement: gateway` runs in this replica's own process,
+as in `nowait serve`, with no hop between them. Remote upstreams are reached from here as in
+`nowait serve`. Each gateway replica names itself in batch leases and its audit chain, so several
+share one PostgreSQL store.
 """
 
 from __future__ import annotations
@@ -11,26 +13,74 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from nowait.engines.config import OwnedEngineSpec
+from nowait.engines.factory import ModelCache
 from nowait.fleet.backend import FleetBackend
 from nowait.fleet.replica import replica_id
 from nowait.gateway.app import create_app
 from nowait.gateway.config import GatewayConfig
 from nowait.gateway.domain import Backend
-from nowait.gateway.engines import build_backends
+from nowait.gateway.engines import build_backends, build_owned
+from nowait.gateway.owned import OwnedBackend
+
+
+def colocated_engine_names(config: GatewayConfig) -> list[str]:
+    """Owned engines with `fleet.placement: gateway`: each gateway replica runs them itself."""
+    return [name for name in config.in_process_engine_names()
+            if (spec := config.engines[name]).fleet is not None and spec.fleet.placement == "gateway"]
+
+
+def colocated_resources(config: GatewayConfig) -> tuple[float, float]:
+    """The CPUs and GPUs one gateway replica holds: those of the engines it runs itself."""
+    fleets = [config.engines[name].fleet for name in colocated_engine_names(config)]
+    return sum(f.cpus_per_replica for f in fleets), sum(f.gpus_per_replica for f in fleets)
+
+
+def colocated_torch_threads(config: GatewayConfig) -> int | None:
+    """`server.torch_threads` for a gateway replica that runs engines: its CPUs shared out among
+    them (at least one each), as `nowait serve` shares the machine's cores; None when set or none run."""
+    engines = colocated_engine_names(config)
+    if config.server.torch_threads or not engines:
+        return None
+    return max(1, int(colocated_resources(config)[0]) // len(engines))
 
 
 @serve.ingress()
 class GatewayIngress:
-    """One gateway replica; `engines`: each owned engine's deployment handle, by engine name."""
+    """One gateway replica; `engines`: the deployment handle of each owned engine placed on
+    replicas of its own, by engine name (the others run here)."""
 
     def __init__(self, config: GatewayConfig, engines: dict[str, DeploymentHandle]) -> None:
         store = config.store.model_copy(update={"replica": config.store.replica or f"gateway-{replica_id()}"})
-        self.config = config.model_copy(update={"store": store})
+        server = config.server.model_copy(update={"torch_threads": colocated_torch_threads(config)
+                                                  or config.server.torch_threads})
+        self.config = config.model_copy(update={"store": store, "server": server})
         self.engines = engines
+        self.colocated: dict[str, Backend] = {}  # the engines this replica runs itself
+        self.models = ModelCache()  # shared by them, as in `nowait serve` (ar and spec hold one copy)
 
-    def fleet_backend(self, name: str, spec: OwnedEngineSpec) -> Backend:
-        return FleetBackend(name, spec, self.engines[name], self.config.metrics_window_s)
+    def owned_backend(self, name: str, spec: OwnedEngineSpec) -> Backend:
+        if name in self.engines:
+            return FleetBackend(name, spec, self.engines[name], self.config.metrics_window_s)
+        backend = build_owned(name, spec, self.models, self.config.metrics_window_s, self.config.defaults.max_tokens)
+        if not isinstance(backend, OwnedBackend):  # as an engine replica: the deployment fails to start
+            raise RuntimeError(f"engine {name!r} cannot serve: {backend.unavailable_reason}")
+        self.colocated[name] = backend
+        return backend
+
+    def record_routing_stats(self) -> dict:
+        """The load of the engines this replica runs, by name (`fleet status` reads it)."""
+        return {name: {"running": b.running(), "waiting": b.waiting(), "free_cache": max(0, b.capacity - b.running())}
+                for name, b in self.colocated.items()}
+
+    def check_health(self) -> None:
+        """Ray Serve calls this periodically; an engine of this replica whose worker thread has
+        stopped marks the replica unhealthy, and Ray replaces it (as an engine replica's check)."""
+        for name, backend in self.colocated.items():
+            worker = backend.worker
+            if not worker.alive():
+                raise RuntimeError(f"engine {name!r}: its worker thread has stopped "
+                                   f"({worker.last_failure or 'no failure recorded'})")
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         """Ray Serve calls this once the constructor has run; the app's lifespan then starts it."""
-        return create_app(self.config, build_backends(self.config, owned=self.fleet_backend))
+        return create_app(self.config, build_backends(self.config, owned=self.owned_backend))
