@@ -15,7 +15,7 @@ from ray.serve.handle import DeploymentHandle
 from nowait.engines.config import OwnedEngineSpec
 from nowait.engines.factory import ModelCache
 from nowait.fleet.backend import FleetBackend
-from nowait.fleet.replica import replica_id
+from nowait.fleet.replica import check_worker, engine_load, replica_id, serving
 from nowait.gateway.app import create_app
 from nowait.gateway.config import GatewayConfig
 from nowait.gateway.domain import Backend
@@ -55,31 +55,26 @@ class GatewayIngress:
                                                   or config.server.torch_threads})
         self.config = config.model_copy(update={"store": store, "server": server})
         self.engines = engines
-        self.colocated: dict[str, Backend] = {}  # the engines this replica runs itself
+        self.colocated: dict[str, OwnedBackend] = {}  # the engines this replica runs itself
         self.models = ModelCache()  # shared by them, as in `nowait serve` (ar and spec hold one copy)
 
     def owned_backend(self, name: str, spec: OwnedEngineSpec) -> Backend:
         if name in self.engines:
             return FleetBackend(name, spec, self.engines[name], self.config.metrics_window_s)
-        backend = build_owned(name, spec, self.models, self.config.metrics_window_s, self.config.defaults.max_tokens)
-        if not isinstance(backend, OwnedBackend):  # as an engine replica: the deployment fails to start
-            raise RuntimeError(f"engine {name!r} cannot serve: {backend.unavailable_reason}")
+        backend = serving(name, build_owned(name, spec, self.models, self.config.metrics_window_s,
+                                            self.config.defaults.max_tokens))
         self.colocated[name] = backend
         return backend
 
     def record_routing_stats(self) -> dict:
         """The load of the engines this replica runs, by name (`fleet status` reads it)."""
-        return {name: {"running": b.running(), "waiting": b.waiting(), "free_cache": max(0, b.capacity - b.running())}
-                for name, b in self.colocated.items()}
+        return {name: engine_load(backend) for name, backend in self.colocated.items()}
 
     def check_health(self) -> None:
         """Ray Serve calls this periodically; an engine of this replica whose worker thread has
         stopped marks the replica unhealthy, and Ray replaces it (as an engine replica's check)."""
-        for name, backend in self.colocated.items():
-            worker = backend.worker
-            if not worker.alive():
-                raise RuntimeError(f"engine {name!r}: its worker thread has stopped "
-                                   f"({worker.last_failure or 'no failure recorded'})")
+        for backend in self.colocated.values():
+            check_worker(backend)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         """Ray Serve calls this once the constructor has run; the app's lifespan then starts it."""

@@ -18,7 +18,7 @@ from nowait.fleet.replies import Reply, error_fields
 from nowait.gateway.domain import Attempt, Call
 from nowait.gateway.engines import build_owned
 from nowait.gateway.errors import APIError
-from nowait.gateway.owned import OwnedBackend
+from nowait.gateway.owned import OwnedBackend, UnavailableBackend
 
 
 def replica_id() -> str:
@@ -31,15 +31,32 @@ def replica_id() -> str:
         return f"pid-{os.getpid()}"
 
 
+def serving(name: str, backend: OwnedBackend | UnavailableBackend) -> OwnedBackend:
+    """The engine a replica runs; a missing or unsuitable model fails its deployment's start."""
+    if not isinstance(backend, OwnedBackend):
+        raise RuntimeError(f"engine {name!r} cannot serve: {backend.unavailable_reason}")
+    return backend
+
+
+def engine_load(backend: OwnedBackend) -> dict:
+    """Requests running and waiting, and free cache rows: what the request router reads."""
+    running = backend.running()
+    return {"running": running, "waiting": backend.waiting(), "free_cache": max(0, backend.capacity - running)}
+
+
+def check_worker(backend: OwnedBackend) -> None:
+    """A replica's health check: raising marks it unhealthy, and Ray replaces it."""
+    if not backend.worker.alive():
+        raise RuntimeError(f"engine {backend.name!r}: its worker thread has stopped "
+                           f"({backend.worker.last_failure or 'no failure recorded'})")
+
+
 class EngineReplica:
     """An owned engine in a Ray Serve replica: run, stream, its load for the request router, and
     a health check that fails once the engine thread is gone."""
 
     def __init__(self, name: str, spec: OwnedEngineSpec, window_s: float, default_max_tokens: int) -> None:
-        backend = build_owned(name, spec, ModelCache(), window_s, default_max_tokens)
-        if not isinstance(backend, OwnedBackend):  # a missing or unsuitable model: the deployment fails to start
-            raise RuntimeError(f"engine {name!r} cannot serve: {backend.unavailable_reason}")
-        self.backend = backend
+        self.backend = backend = serving(name, build_owned(name, spec, ModelCache(), window_s, default_max_tokens))
         self.id = replica_id()
         self.served = 0  # requests answered (the tests read which replicas served)
         # Of the requests this replica answered, whichever gateway replica sent them: what the
@@ -85,10 +102,7 @@ class EngineReplica:
 
     def load(self) -> dict:
         """Requests running and waiting, and free cache rows: what the request router reads."""
-        backend = self.backend
-        running, waiting = backend.running(), backend.waiting()
-        return {"running": running, "waiting": waiting, "free_cache": max(0, backend.capacity - running),
-                "served": self.served, "pid": os.getpid()}
+        return {**engine_load(self.backend), "served": self.served, "pid": os.getpid()}
 
     def totals(self) -> dict:
         """This replica's own counts since it started, and its load: what every gateway replica's
@@ -102,9 +116,7 @@ class EngineReplica:
 
     def check_health(self) -> None:
         """Ray Serve calls this periodically; raising marks the replica unhealthy and Ray replaces it."""
-        if not self.backend.worker.alive():
-            raise RuntimeError(f"engine {self.backend.name!r}: its worker thread has stopped "
-                               f"({self.backend.worker.last_failure or 'no failure recorded'})")
+        check_worker(self.backend)
 
     def __del__(self) -> None:
         worker = getattr(getattr(self, "backend", None), "worker", None)
