@@ -157,6 +157,13 @@ def test_a_pinned_fast_engine_keeps_its_confidence_fallback():
         "spec", "pinned", None, "the caller asked for spec")
 
 
+def test_a_fast_engine_that_is_its_own_fallback_is_not_re_run():
+    alone = POLICY.model_copy(update={"fast_engine": "ar", "fallback_engine": "ar"})
+    for decision in (pin("ar", alone), route(request(value=0.5), alone)):
+        assert (decision.engine, decision.fallback_engine) == ("ar", None)
+        assert decision.reason.endswith("ar is its own fallback: no re-run")
+
+
 def test_check_destination_names_the_refused_class_and_engine():
     with pytest.raises(DataClassViolation) as refused:
         check_destination("frontier-api", DataClass.restricted, POLICY)

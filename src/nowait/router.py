@@ -169,10 +169,19 @@ def route(request: RouteRequest, policy: RoutingPolicy) -> Decision:
         return Decision(policy.batch_engine, "latency-bound but no fast (diffusion) engine is available: AR",
                         rule="fast")
     budget = "no stated budget" if request.latency_budget_ms is None else f"a {request.latency_budget_ms:g} ms budget"
+    fallback, rerun = fast_fallback(policy)
     return Decision(policy.fast_engine,
                     f"latency-bound ({budget}) and low value ({value}): diffusion clears a request in a few "
-                    f"parallel passes; answers below confidence {policy.confidence_threshold:g} re-run on "
-                    f"{policy.fallback_engine}", fallback_engine=policy.fallback_engine, rule="fast")
+                    f"parallel passes; {rerun}", fallback_engine=fallback, rule="fast")
+
+
+def fast_fallback(policy: RoutingPolicy) -> tuple[str | None, str]:
+    """The fast engine's fallback and what the reason says of it. A fast engine that is its own
+    fallback (a one-engine config) has none: a re-run on the same weights is the same answer, paid twice."""
+    if policy.fallback_engine == policy.fast_engine:
+        return None, f"{policy.fast_engine} is its own fallback: no re-run"
+    return policy.fallback_engine, (f"answers below confidence {policy.confidence_threshold:g} re-run on "
+                                    f"{policy.fallback_engine}")
 
 
 def threshold_for(schema: dict | None, policy: RoutingPolicy) -> tuple[float, str]:
@@ -242,9 +251,8 @@ def pin(engine: str, policy: RoutingPolicy) -> Decision:
     fallback, because a diffusion answer below the threshold is not one to hand back.
     """
     if engine == policy.fast_engine:
-        return Decision(engine, f"the caller asked for {engine}; answers below confidence "
-                                f"{policy.confidence_threshold:g} re-run on {policy.fallback_engine}",
-                        fallback_engine=policy.fallback_engine, rule="pinned")
+        fallback, rerun = fast_fallback(policy)
+        return Decision(engine, f"the caller asked for {engine}; {rerun}", fallback_engine=fallback, rule="pinned")
     return Decision(engine, f"the caller asked for {engine}", rule="pinned")
 
 
