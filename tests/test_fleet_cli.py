@@ -81,11 +81,13 @@ def test_fleet_up_status_down(tmp_path, codec, mode):
     engine_fleet = ({"cpus_per_replica": 0.5, "placement": "gateway"} if mode == "placement_gateway"
                     else {"cpus_per_replica": 0.5, "replicas": {"min": replicas, "max": replicas}})
     switch = "direct_ingress" if mode == "placement_gateway" else mode
+    # The replicas' niceness: the default (0, not Ray's 15) in two modes, a chosen one in the third.
+    niceness = 3 if mode == "throughput_optimized" else 0
     config = {"auth": {"api_keys": [API_KEY], "api_keys_env": None}, "data_dir": str(tmp_path / "data"),
               "engines": {"ar": {"kind": "ar", "model": models["ar"], "max_num_seqs": 4,
                                  "fleet": engine_fleet}},
               "routing": {"fast_engine": None}, "defaults": {"max_tokens": 4},
-              "fleet": {"port": port, switch: True}}
+              "fleet": {"port": port, switch: True, **({"worker_niceness": niceness} if niceness else {})}}
     (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(config))
     env = {**os.environ, "NOWAIT_FLEET_STATE": str(tmp_path / "state.json"), "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}  # passed on to Serve: nothing to drain here
@@ -114,8 +116,11 @@ def test_fleet_up_status_down(tmp_path, codec, mode):
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
         [engine] = report["engines"]
         assert engine["name"] == "ar" and len(engine["replicas"]) == replicas
-        assert set(engine["replicas"][0]) == {"id", "node", "pid", "state", "running", "waiting"}
+        assert set(engine["replicas"][0]) == {"id", "node", "pid", "state", "running", "waiting", "niceness"}
         assert {r["state"] for r in engine["replicas"]} == {"RUNNING"}
+        assert [r["niceness"] for r in engine["replicas"]] == [niceness] * replicas
+        assert [os.getpriority(os.PRIO_PROCESS, r["pid"]) for r in engine["replicas"]] == [niceness] * replicas
+        assert "warning" not in up.stderr  # they run at what the config asked for
         assert engine["placement"] == ("gateway" if mode == "placement_gateway" else "replicas")
         if mode == "placement_gateway":  # the engine's replica is the gateway replica's process itself
             assert engine["replicas"][0]["pid"] == gateway

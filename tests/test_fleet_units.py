@@ -4,6 +4,7 @@ order the request router picks, an engine replica's health check, and that `nowa
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -41,6 +42,26 @@ def test_fleet_sections_parse_and_refuse_what_cannot_deploy():
     with pytest.raises(ConfigError, match=r"engines\.ar\.fleet\.gpu_per_replica"):
         parse_config({"engines": {"ar": {"kind": "ar", "fleet": {"gpu_per_replica": 1}}},
                       "routing": {"fast_engine": None}})
+
+
+def test_worker_niceness_reaches_the_local_clusters_raylet_and_niced_replicas_are_named(monkeypatch):
+    from nowait.fleet import cluster
+    from nowait.fleet.cli import niced_replicas
+
+    plain = parse_config({"routing": {"fast_engine": None}, "engines": {"ar": {"kind": "ar"}}})
+    assert plain.fleet.worker_niceness == 0
+    with pytest.raises(ConfigError, match=r"fleet\.worker_niceness"):
+        parse_config({"engines": {"ar": {"kind": "ar"}}, "routing": {"fast_engine": None},
+                      "fleet": {"worker_niceness": 20}})
+    started = []
+    monkeypatch.setattr(cluster.subprocess, "run", lambda command, env, **_: started.append(env) or
+                        subprocess.CompletedProcess(command, 0, "", ""))
+    cluster.start_local_cluster(worker_niceness=7)
+    cluster.start_local_cluster()
+    assert [env["RAY_worker_niceness"] for env in started] == ["7", "0"]  # Ray's own default would be 15
+    report = {"engines": [{"name": "ar", "replicas": [{"id": "a", "niceness": 15}, {"id": "b", "niceness": 0},
+                                                      {"id": "c", "niceness": None}]}]}  # c: still starting
+    assert niced_replicas(report, 0) == {"a": 15} and niced_replicas(report, 15) == {}
 
 
 def test_deployment_options_follow_the_fleet_section():
@@ -136,7 +157,7 @@ def test_an_engine_placed_in_the_gateway_is_no_deployment_and_its_resources_are_
     gateway = fleet_application(config)._bound_deployment
     assert gateway.ray_actor_options == {"num_cpus": 5, "num_gpus": 0.5}  # what its own engines hold
     assert set(gateway.init_args[1]) == {"ar"}  # the only engine reached through a handle
-    assert colocated_torch_threads(config) == 2  # 5 CPUs shared by two engines
+    assert colocated_torch_threads(config) == 2  # 5 CPUs, one reserved, shared by two engines
     assert colocated_torch_threads(parse_config({"engines": engines, "server": {"torch_threads": 4}})) is None
     only_replicas = parse_config({"engines": {"ar": engines["ar"]}, "routing": {"fast_engine": None}})
     assert colocated_torch_threads(only_replicas) is None
@@ -162,7 +183,8 @@ def test_a_gateway_replica_runs_its_own_engine_and_fails_its_health_check_when_i
     replica = GatewayIngress.__mro__[1](config, {})  # the class under Serve's ASGI wrapper (serve.ingress)
     backend = replica.owned_backend("ar", config.engines["ar"])
     assert type(backend).__name__ == "OwnedBackend" and replica.colocated == {"ar": backend}
-    assert replica.record_routing_stats() == {"ar": {"running": 0, "waiting": 0, "free_cache": 2}}
+    assert replica.record_routing_stats() == {"ar": {"running": 0, "waiting": 0, "free_cache": 2, "pid": os.getpid(),
+                                                     "niceness": os.getpriority(os.PRIO_PROCESS, 0)}}
     backend.worker.start()
     replica.check_health()  # serving
     backend.worker.stop()
@@ -176,7 +198,8 @@ def test_an_engine_replica_whose_thread_died_fails_its_health_check(tmp_path, co
     models = save_tiny_models(tmp_path, codec)
     replica = EngineReplica("ar", ArEngineConfig(kind="ar", model=models["ar"], max_num_seqs=2), 60.0, 8)
     replica.check_health()  # serving
-    assert replica.load() == {"running": 0, "waiting": 0, "free_cache": 2, "served": 0, "pid": replica.load()["pid"]}
+    assert replica.load() == {"running": 0, "waiting": 0, "free_cache": 2, "served": 0, "pid": os.getpid(),
+                              "niceness": os.getpriority(os.PRIO_PROCESS, 0)}
     replica.backend.worker.stop()
     with pytest.raises(RuntimeError, match="worker thread has stopped"):
         replica.check_health()

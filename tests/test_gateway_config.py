@@ -228,9 +228,11 @@ def test_a_file_without_engines_serves_the_bundled_ones(tmp_path):
 def test_engine_threads_share_the_cores_among_the_in_process_engines():
     config = default_config()  # ar, spec and diffusion in process
     assert config.in_process_engine_names() == ["ar", "spec", "diffusion"]
-    assert [config.engine_threads(cores) for cores in (1, 2, 3, 16)] == [1, 1, 1, 5]
+    assert [config.engine_threads(cores) for cores in (1, 2, 3, 16)] == [1, 1, 1, 5]  # one core reserved
     one = config.model_copy(update={"engines": {"diffusion": config.engines["diffusion"]}})
-    assert one.engine_threads(2) == 2  # alone, an engine keeps every core
+    assert [one.engine_threads(cores) for cores in (1, 2, 16)] == [1, 1, 15]  # alone, every core but one
+    unreserved = one.model_copy(update={"server": one.server.model_copy(update={"reserved_cores": 0})})
+    assert unreserved.engine_threads(2) == 2
     pinned = config.model_copy(update={"server": config.server.model_copy(update={"torch_threads": 4})})
     assert pinned.engine_threads(2) == 4  # the config's number wins
 

@@ -69,7 +69,7 @@ def up(config: Path = typer.Argument(..., help="nowait.yaml: engines (with their
         from nowait.fleet.cluster import start_local_cluster
 
         try:
-            address, marker = start_local_cluster(num_cpus, num_gpus)
+            address, marker = start_local_cluster(num_cpus, num_gpus, settings.fleet.worker_niceness)
         except FleetError as error:
             _fail(str(error))
     try:
@@ -88,11 +88,25 @@ def up(config: Path = typer.Argument(..., help="nowait.yaml: engines (with their
         raise
     save_state(FleetState(address=address, url=url, local_cluster=marker))
     typer.echo(f"nowait fleet serving at {url} (Ray cluster {address}{', local' if marker else ''})")
+    from nowait.fleet.deploy import fleet_status
+
+    niced = niced_replicas(fleet_status(), settings.fleet.worker_niceness)
+    if niced:  # a cluster started elsewhere, with Ray's default: say so once, here, not per request
+        wanted = settings.fleet.worker_niceness
+        typer.echo(f"warning: {len(niced)} engine replica(s) run at niceness {max(niced.values())} "
+                   f"(fleet.worker_niceness is {wanted}): start that cluster's nodes with "
+                   f"RAY_worker_niceness={wanted} in the environment of `ray start` (docs/fleet.md)", err=True)
+
+
+def niced_replicas(report: dict, wanted: int) -> dict[str, int]:
+    """Engine replicas (by id) whose process runs at a niceness above `wanted`."""
+    return {r["id"]: r["niceness"] for engine in report["engines"] for r in engine["replicas"]
+            if r.get("niceness") is not None and r["niceness"] > wanted}
 
 
 @fleet_app.command("status")
 def status(as_json: bool = typer.Option(False, "--json", help="one JSON object")) -> None:
-    """Each engine's replicas (node, pid, state, running, waiting), the gateway replicas and the URL."""
+    """Each engine's replicas (node, pid, state, running, waiting, niceness), the gateway replicas and the URL."""
     state = load_state()
     if state is None:
         _fail("no fleet is up (`nowait fleet up CONFIG`)")
@@ -108,7 +122,7 @@ def status(as_json: bool = typer.Option(False, "--json", help="one JSON object")
         typer.echo(f"engine {engine['name']}: {len(engine['replicas'])} replica(s)")
         for r in engine["replicas"]:
             typer.echo(f"  {r['id']}  {r['state']:<9} pid {r['pid']}  running {r['running']}  waiting {r['waiting']}"
-                       f"  node {str(r['node'])[:12]}")
+                       f"  nice {r['niceness']}  node {str(r['node'])[:12]}")
 
 
 @fleet_app.command("down")

@@ -67,8 +67,10 @@ def _ray_command() -> str:
     return str(beside) if beside.exists() else "ray"
 
 
-def start_local_cluster(num_cpus: float | None = None, num_gpus: float | None = None) -> tuple[str, str]:
-    """`ray start --head` on this machine: (its GCS address, its marker)."""
+def start_local_cluster(num_cpus: float | None = None, num_gpus: float | None = None,
+                        worker_niceness: int = 0) -> tuple[str, str]:
+    """`ray start --head` on this machine: (its GCS address, its marker). Its raylet starts every
+    worker process (the replicas) at `worker_niceness`."""
     port = _free_port()
     temp_dir = f"/tmp/nowait-fleet-{port}"  # short: Ray's socket paths live under it
     command = [_ray_command(), "start", "--head", f"--port={port}", f"--temp-dir={temp_dir}",
@@ -77,7 +79,10 @@ def start_local_cluster(num_cpus: float | None = None, num_gpus: float | None = 
         command.append(f"--num-cpus={num_cpus:g}")
     if num_gpus is not None:
         command.append(f"--num-gpus={num_gpus:g}")
-    env = {**os.environ, MARKER: temp_dir, "RAY_USAGE_STATS_ENABLED": "0"}
+    # Ray's raylet reads its settings from RAY_<name>; its worker_niceness default (15) would run
+    # each engine below the raylet, the proxies and the clients on the same cores, so a busy CPU
+    # stretches every decode step (docs/fleet.md, "Worker niceness").
+    env = {**os.environ, MARKER: temp_dir, "RAY_USAGE_STATS_ENABLED": "0", "RAY_worker_niceness": str(worker_niceness)}
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         stop_local_cluster(temp_dir)

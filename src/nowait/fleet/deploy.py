@@ -208,7 +208,7 @@ def engine_replicas(details: dict | None = None) -> dict[str, list[dict]]:
 
 
 def fleet_status() -> dict:
-    """The engines' replicas (id, node, pid, state, running, waiting), the gateway replicas and the
+    """The engines' replicas (id, node, pid, state, running, waiting, niceness), the gateway replicas and the
     URLs clients use: the proxy's, or with direct ingress each gateway replica's (`url` the first)."""
     details = _serve_details()
     app = (details.get("applications") or {}).get(APP_NAME)
@@ -218,7 +218,8 @@ def fleet_status() -> dict:
     gateway = app["deployments"].get(GATEWAY) or {}
     engines = [{"name": name, "placement": rows[0].get("placement", "replicas") if rows else "replicas",
                 "replicas": [{"id": r["id"], "node": r["node"], "pid": r["pid"], "state": r["state"],
-                              "running": r["load"].get("running", 0), "waiting": r["load"].get("waiting", 0)}
+                              "running": r["load"].get("running", 0), "waiting": r["load"].get("waiting", 0),
+                              "niceness": r["load"].get("niceness")}
                              for r in rows]}
                for name, rows in engine_replicas(details).items()]
     urls = direct_urls(details) or [f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}"]

@@ -15,7 +15,7 @@ from ray.serve.handle import DeploymentHandle
 from nowait.engines.config import OwnedEngineSpec
 from nowait.engines.factory import ModelCache
 from nowait.fleet.backend import FleetBackend
-from nowait.fleet.replica import check_worker, engine_load, replica_id, serving
+from nowait.fleet.replica import check_worker, engine_load, process_facts, replica_id, serving
 from nowait.gateway.app import create_app
 from nowait.gateway.config import GatewayConfig
 from nowait.gateway.domain import Backend
@@ -36,12 +36,13 @@ def colocated_resources(config: GatewayConfig) -> tuple[float, float]:
 
 
 def colocated_torch_threads(config: GatewayConfig) -> int | None:
-    """`server.torch_threads` for a gateway replica that runs engines: its CPUs shared out among
-    them (at least one each), as `nowait serve` shares the machine's cores; None when set or none run."""
+    """`server.torch_threads` for a gateway replica that runs engines: its CPUs (less
+    `server.reserved_cores`) shared out among them, at least one each, as `nowait serve` shares
+    the machine's cores; None when set or none run."""
     engines = colocated_engine_names(config)
     if config.server.torch_threads or not engines:
         return None
-    return max(1, int(colocated_resources(config)[0]) // len(engines))
+    return config.engine_threads(int(colocated_resources(config)[0]), len(engines))
 
 
 @serve.ingress()
@@ -68,7 +69,7 @@ class GatewayIngress:
 
     def record_routing_stats(self) -> dict:
         """The load of the engines this replica runs, by name (`fleet status` reads it)."""
-        return {name: engine_load(backend) for name, backend in self.colocated.items()}
+        return {name: {**engine_load(backend), **process_facts()} for name, backend in self.colocated.items()}
 
     def check_health(self) -> None:
         """Ray Serve calls this periodically; an engine of this replica whose worker thread has

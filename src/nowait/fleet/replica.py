@@ -44,6 +44,12 @@ def engine_load(backend: OwnedBackend) -> dict:
     return {"running": running, "waiting": backend.waiting(), "free_cache": max(0, backend.capacity - running)}
 
 
+def process_facts() -> dict:
+    """This replica's process id and niceness (`fleet status` shows both; a niced replica decodes
+    behind every other process on its cores)."""
+    return {"pid": os.getpid(), "niceness": os.getpriority(os.PRIO_PROCESS, 0)}
+
+
 def check_worker(backend: OwnedBackend) -> None:
     """A replica's health check: raising marks it unhealthy, and Ray replaces it."""
     if not backend.worker.alive():
@@ -102,7 +108,7 @@ class EngineReplica:
 
     def load(self) -> dict:
         """Requests running and waiting, and free cache rows: what the request router reads."""
-        return {**engine_load(self.backend), "served": self.served, "pid": os.getpid()}
+        return {**engine_load(self.backend), "served": self.served, **process_facts()}
 
     def totals(self) -> dict:
         """This replica's own counts since it started, and its load: what every gateway replica's

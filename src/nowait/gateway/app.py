@@ -53,7 +53,8 @@ def lifespan_of(config: GatewayConfig, backends: dict[str, Backend] | None
             threads = config.engine_threads(cores)
             torch.set_num_threads(threads)
             log.info("torch threads: %d (%s)", threads, "server.torch_threads" if config.server.torch_threads
-                     else f"{cores} cores shared by {engines} in-process engines")
+                     else f"{cores} cores, {config.server.reserved_cores} reserved for the server, shared by "
+                          f"{engines} in-process engines")
         gateway = Gateway(config, backends if backends is not None else build_backends(config))
         await gateway.start()
         app.state.gateway = gateway

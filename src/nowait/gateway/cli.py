@@ -38,7 +38,8 @@ def serve(
     config: Path = typer.Option(None, "--config", "-c", help="nowait.yaml (default: the bundled demo models)"),
     host: str = typer.Option(None, help="address to listen on (default: the config's, 127.0.0.1)"),
     port: int = typer.Option(None, help="port (default: the config's, 8000)"),
-    threads: int = typer.Option(None, min=1, help="torch CPU threads (default: the config's, else torch's choice)"),
+    threads: int = typer.Option(None, min=1, help="torch CPU threads (default: the config's, else the cores "
+                                                  "less server.reserved_cores, shared by the engines)"),
     log_level: str = typer.Option("info", help="uvicorn log level"),
     store: str = typer.Option(None, "--store", help="store URL (default: the config's store.url, else SQLite under "
                                                     "data_dir): sqlite:///PATH or postgresql://USER:PASSWORD@HOST/DB"),

@@ -73,7 +73,10 @@ class ServerConfig(Strict):
     router_model: str = Field("nowait", description="the model name that lets the router choose")
     request_timeout_s: float = Field(300.0, gt=0)
     torch_threads: int | None = Field(None, ge=1, description="torch's CPU threads for the in-process engines "
-                                                         "(default: the cores shared out among them, at least 1)")
+                                                         "(default: the cores less reserved_cores, shared out "
+                                                         "among them, at least 1)")
+    reserved_cores: int = Field(1, ge=0, description="cores the engines' threads leave to the server's own work "
+                                                     "(HTTP, tokenizing, streaming) when torch_threads is unset")
     max_request_bytes: int = Field(200 * 1024 * 1024, ge=1024, description="largest request body (a batch input "
                                                                            "file included); more gets 413")
     max_concurrent_streams: int = Field(256, ge=1, description="server-sent event streams open at once; one more "
@@ -153,6 +156,22 @@ class FleetConfig(Strict):
                                                           "process of the application: direct ingress, gRPC between "
                                                           "the gateway and the engine replicas, replica code on its "
                                                           "event loop (docs/fleet.md)")
+    worker_niceness: int = Field(0, ge=0, le=19, description="the niceness of the replicas' processes on a local "
+                                                             "cluster `fleet up` starts (Ray's own default, 15, "
+                                                             "puts the engines below every other process); a "
+                                                             "cluster at ray_address sets it at its `ray start`")
+
+
+def shared_threads(cores: int, engines: int, reserved: int) -> int:
+    """Each engine's torch threads: the cores less those reserved for the server's own work,
+    shared out among the engines, at least one. Engines busy at the same time each ask for that
+    many cores, and a torch operation split over threads waits for the slowest of them: with
+    torch's default (every core) two engines on two cores ran both slower (the demo's real-time
+    p50 56 ms at 2 threads, 40 ms at 1, pinned AR 440 against 212 ms), and one engine alone on
+    two cores served a batch-1 stream in 118 ms at 2 threads against 54 ms at 1, because the
+    event loop that streams its tokens runs on one of them (docs/gateway.md, "Threads"). vLLM's
+    CPU backend keeps a core for its API server for the same reason (VLLM_CPU_NUM_OF_RESERVED_CPU)."""
+    return max(1, (cores - reserved) // max(1, engines))
 
 
 DEFAULT_ENGINES: dict[str, EngineSpec] = {
@@ -205,16 +224,14 @@ class GatewayConfig(Strict):
         """Engines this process runs itself (each on a thread of its own)."""
         return [n for n, e in self.engines.items() if not isinstance(e, RemoteEngineConfig)]
 
-    def engine_threads(self, cores: int) -> int:
+    def engine_threads(self, cores: int, engines: int | None = None) -> int:
         """torch's CPU threads (intra-op, shared by every engine of the process):
-        `server.torch_threads`, or else the `cores` shared out among the in-process engines, at
-        least one. Engines busy at the same time each ask for that many cores; with torch's
-        default (every core) two of them on two cores ran both slower (the demo's real-time p50
-        56 ms at 2 threads, 40 ms at 1, pinned AR 440 against 212 ms), as Ray gives a worker
-        OMP_NUM_THREADS equal to its CPUs for the same reason."""
+        `server.torch_threads`, or else `shared_threads` over the in-process engines (or
+        `engines` of them, where only some run here)."""
         if self.server.torch_threads:
             return self.server.torch_threads
-        return max(1, cores // max(1, len(self.in_process_engine_names())))
+        count = len(self.in_process_engine_names()) if engines is None else engines
+        return shared_threads(cores, count, self.server.reserved_cores)
 
     def external_engine_names(self) -> list[str]:
         return [n for n, e in self.engines.items() if isinstance(e, RemoteEngineConfig) and not e.on_premises]
