@@ -83,6 +83,22 @@ def test_deployment_options_follow_the_fleet_section():
     assert gateway_replicas(shared) == 3
 
 
+def test_an_engine_replica_leaves_a_core_to_its_event_loop():
+    from nowait.fleet.deploy import engine_replica_threads, fleet_application
+
+    def threads(fleet: dict, server: dict | None = None) -> int:
+        config = parse_config({"routing": {"fast_engine": None}, "server": server or {},
+                               "engines": {"ar": {"kind": "ar", "fleet": fleet}}})
+        return engine_replica_threads(config, config.engines["ar"])
+
+    assert [threads({"cpus_per_replica": c}) for c in (0.5, 1, 2, 8)] == [1, 1, 1, 7]
+    assert threads({"cpus_per_replica": 2}, {"reserved_cores": 0}) == 2 and threads({}, {"torch_threads": 3}) == 3
+    config = parse_config({"routing": {"fast_engine": None}, "engines": {"ar": {"kind": "ar",
+                                                                                "fleet": {"cpus_per_replica": 4}}}})
+    engine = fleet_application(config)._bound_deployment.init_args[1]["ar"]._bound_deployment
+    assert engine.init_args[-1] == 3  # what the replica's constructor sets torch to
+
+
 def test_direct_ingress_reaches_the_controller_and_the_gateway_replicas_only_and_throughput_every_replica(monkeypatch):
     from nowait.fleet.deploy import direct_ingress_env, direct_urls, engine_env, fleet_application
 
@@ -196,7 +212,15 @@ def test_an_engine_replica_whose_thread_died_fails_its_health_check(tmp_path, co
     from nowait.fleet.replica import EngineReplica
 
     models = save_tiny_models(tmp_path, codec)
-    replica = EngineReplica("ar", ArEngineConfig(kind="ar", model=models["ar"], max_num_seqs=2), 60.0, 8)
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        replica = EngineReplica("ar", ArEngineConfig(kind="ar", model=models["ar"], max_num_seqs=2), 60.0, 8,
+                                torch_threads=before + 1)  # not what torch had: the call must have set it
+        assert torch.get_num_threads() == before + 1
+    finally:
+        torch.set_num_threads(before)
     replica.check_health()  # serving
     assert replica.load() == {"running": 0, "waiting": 0, "free_cache": 2, "served": 0, "pid": os.getpid(),
                               "niceness": os.getpriority(os.PRIO_PROCESS, 0)}

@@ -80,6 +80,15 @@ def engine_options(spec: OwnedEngineSpec) -> dict:
     return options
 
 
+def engine_replica_threads(config: GatewayConfig, spec: OwnedEngineSpec) -> int:
+    """torch threads of one engine replica: `server.torch_threads`, or its CPUs less
+    `server.reserved_cores` (at least one). The replica's event loop takes the gateway's calls and
+    sends the engine's tokens back; at Ray's OMP_NUM_THREADS (all its CPUs) each split operation
+    waited for it (docs/fleet.md, "Threads of an engine replica")."""
+    fleet = spec.fleet or FleetEngineConfig()
+    return config.engine_threads(int(fleet.cpus_per_replica), engines=1)
+
+
 def direct_ingress_env(config: GatewayConfig) -> dict[str, str] | None:
     """`fleet.direct_ingress` (or `fleet.throughput_optimized`, which includes it): the environment
     Ray Serve's controller and the gateway replicas get (through their `runtime_env`, so the
@@ -108,7 +117,8 @@ def fleet_application(config: GatewayConfig) -> serve.Application:
         if engine_switches:
             options["ray_actor_options"]["runtime_env"] = {"env_vars": engine_switches}
         deployment = serve.deployment(EngineReplica, name=engine_deployment_name(name), **options)
-        engines[name] = deployment.bind(name, spec, config.metrics_window_s, config.defaults.max_tokens)
+        engines[name] = deployment.bind(name, spec, config.metrics_window_s, config.defaults.max_tokens,
+                                        engine_replica_threads(config, spec))
     cpus, gpus = colocated_resources(config)
     actor_options: dict = {"num_cpus": cpus, **({"num_gpus": gpus} if gpus else {})}
     env = direct_ingress_env(config)

@@ -61,7 +61,12 @@ class EngineReplica:
     """An owned engine in a Ray Serve replica: run, stream, its load for the request router, and
     a health check that fails once the engine thread is gone."""
 
-    def __init__(self, name: str, spec: OwnedEngineSpec, window_s: float, default_max_tokens: int) -> None:
+    def __init__(self, name: str, spec: OwnedEngineSpec, window_s: float, default_max_tokens: int,
+                 torch_threads: int | None = None) -> None:
+        if torch_threads:  # before the engine thread's first operation (deploy.engine_replica_threads)
+            import torch
+
+            torch.set_num_threads(torch_threads)
         self.backend = backend = serving(name, build_owned(name, spec, ModelCache(), window_s, default_max_tokens))
         self.id = replica_id()
         self.served = 0  # requests answered (the tests read which replicas served)
