@@ -90,7 +90,10 @@ def up(config: Path = typer.Argument(..., help="nowait.yaml: engines (with their
     typer.echo(f"nowait fleet serving at {url} (Ray cluster {address}{', local' if marker else ''})")
     from nowait.fleet.deploy import fleet_status
 
-    niced = niced_replicas(fleet_status(), settings.fleet.worker_niceness)
+    try:
+        niced = niced_replicas(fleet_status(), settings.fleet.worker_niceness)
+    except Exception:  # the fleet serves: a status that could not be read now is no reason to fail `up`
+        niced = {}
     if niced:  # a cluster started elsewhere, with Ray's default: say so once, here, not per request
         wanted = settings.fleet.worker_niceness
         typer.echo(f"warning: {len(niced)} engine replica(s) run at niceness {max(niced.values())} "
