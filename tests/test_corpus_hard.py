@@ -23,7 +23,7 @@ from nowait.extraction.corpus import (
     training_range,
 )
 from nowait.extraction.hard import HELD_OUT_SHARE, TRAIN_LAYOUTS
-from nowait.extraction.hard_kinds import HARD_FIELDS, HELD_OUT_LABELS
+from nowait.extraction.hard_kinds import CURRENCY_FIELD, HARD_FIELDS, HELD_OUT_LABELS, TRAINING_LABELS
 from nowait.extraction.hard_values import CURRENCY_WORDS, number_words
 from nowait.extraction.instructions import instruction_pool
 from nowait.extraction.noise import damage_digits, restore_digits
@@ -91,6 +91,36 @@ def test_hard_tier_is_deterministic_per_seed_and_differs_across_seeds():
     assert one == documents(None, 40, seed=1, tier="hard")
     assert not {d.text for d in one} & {d.text for d in two}
     assert not {d.text for d in first} & {d.text for d in documents("validation", 40, tier="hard")}
+
+
+# The hard tier's evaluation documents as first measured (README, docs/corpus.md): a change of the
+# training stream must leave them as they are.
+HARD_DIGESTS = {
+    ("test", None): "33aec5211b17b2770933cba599fee9f3f9a28bd0a07e73d0143d1ec17888d834",
+    ("validation", None): "13d17f29b8fcfd55fc4449e55ee58692efd4eafedd4547d1124808c718d36216",
+    (None, 2318): "163ecad4f1331c32f1495c857fb8d0b398585514caccc48eac964724d5dd8530",
+}
+
+
+@pytest.mark.parametrize(("split", "seed"), list(HARD_DIGESTS))
+def test_the_hard_evaluation_documents_are_unchanged(split, seed):
+    h = hashlib.sha256()
+    for d in documents(split, 400, seed=seed, tier="hard"):
+        h.update(json.dumps([d.kind, d.text, d.fields, d.doc_id, d.layout, d.instruction], ensure_ascii=False).encode())
+    assert h.hexdigest() == HARD_DIGESTS[(split, seed)]
+
+
+def test_training_only_labels_reach_training_documents_and_no_held_out_label_is_among_them(training_mix):
+    keys = {f.key for fields in HARD_FIELDS.values() for f in fields} | {CURRENCY_FIELD.key}
+    assert set(TRAINING_LABELS) == keys
+    widened = [label for labels in TRAINING_LABELS.values() for label in labels]
+    assert not [label for label in widened if any(h.lower() in label.lower() for h in HELD_OUT_LABELS)]
+    training_text = "\n".join(d.text for d in training_mix if d.tier == "hard")
+    evaluation_text = "\n".join(d.text for d in documents("test", 300, tier="hard")
+                                + documents("validation", 300, tier="hard"))
+    distinctive = ("D.O.B.", "Tenor", "Denomination", "Ordering customer", "Salary p.a.", "Last validity date")
+    assert all(label in training_text for label in distinctive)
+    assert not [label for label in distinctive if label in evaluation_text]
 
 
 def test_mixed_tier_interleaves_clean_and_hard():

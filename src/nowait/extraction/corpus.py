@@ -108,11 +108,12 @@ def _document_at(stream: str, index: int, variety: float = 1.0) -> Document:
 
 
 def _hard_document_at(stream: str, index: int) -> Document:
-    """A hard-tier document; held-out layouts and labels only outside `train` and `validation`."""
+    """A hard-tier document; held-out layouts and labels only outside `train` and `validation`,
+    the training-only label wordings (`hard_kinds.TRAINING_LABELS`) only in `train`."""
     rng = random.Random(f"nowait:hard:{stream}:{index}")
     kind = KINDS[index % len(KINDS)]
     held_out = rng.random() < HELD_OUT_SHARE and stream not in ("train", "validation")
-    text, fields, layout = render_hard(kind, rng, held_out)
+    text, fields, layout = render_hard(kind, rng, held_out, widen_labels=stream == "train")
     return Document(kind=kind, text=text, fields=fields, doc_id=f"hard-{stream}-{index}", tier="hard",
                     layout=layout, instruction=draw_instruction(kind, rng, len(text)))
 

@@ -14,6 +14,7 @@ from nowait.extraction.hard_kinds import (
     CURRENCY_OF,
     HARD_DISTRACTORS,
     HARD_FIELDS,
+    TRAINING_LABELS,
     HardField,
 )
 from nowait.extraction.hard_values import hard_amount
@@ -56,8 +57,15 @@ def _noisy(text: str, spec: HardField, rng: random.Random) -> str:
     return damage_digits(text, rng) if spec.digits and rng.random() < DIGIT_NOISE else text
 
 
-def draft(kind: str, rng: random.Random, held_out: bool, amend: bool = False) -> Draft:
-    """Draw the truth and how each value and label is written (no layout yet)."""
+def _label_pool(spec: HardField, held_out: bool, widen: bool) -> tuple[str, ...]:
+    if held_out:
+        return spec.held_out
+    return spec.labels + TRAINING_LABELS.get(spec.key, ()) if widen else spec.labels
+
+
+def draft(kind: str, rng: random.Random, held_out: bool, amend: bool = False, widen_labels: bool = False) -> Draft:
+    """Draw the truth and how each value and label is written (no layout yet); `widen_labels`
+    (the training stream) also draws from `TRAINING_LABELS`."""
     specs = HARD_FIELDS[kind]
     d = Draft(kind, held_out, {key: None for key in KIND_SPECS[kind].schema["properties"]})
     currency = rng.choice(pools.CURRENCIES)
@@ -77,7 +85,7 @@ def draft(kind: str, rng: random.Random, held_out: bool, amend: bool = False) ->
             prose_text = rng.choice(spec.prose[value])
         d.prose[spec.key] = _noisy(prose_text, spec, rng)
     for spec in (*specs, CURRENCY_FIELD):
-        label = rng.choice(spec.held_out if held_out else spec.labels)
+        label = rng.choice(_label_pool(spec, held_out, widen_labels))
         d.labels[spec.key] = damage_label(label, rng) if rng.random() < LABEL_NOISE else label
     for label, render in rng.sample(HARD_DISTRACTORS[kind], k=rng.randint(1, 2)):
         d.distractors.append((label, render(rng)[0]))

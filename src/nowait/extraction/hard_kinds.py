@@ -168,3 +168,42 @@ HARD_DISTRACTORS: dict[str, tuple[tuple[str, Renderer], ...]] = {
 
 HELD_OUT_LABELS: frozenset[str] = frozenset(label for fields in HARD_FIELDS.values() for f in fields
                                             for label in f.held_out) | frozenset(CURRENCY_FIELD.held_out)
+
+# More wordings per field that only the training stream draws (beside `labels`), so a model learns
+# that a field is named many ways and reads the value's shape and place, not one memorised label.
+# The evaluation splits keep drawing `labels` alone, so their documents are unchanged; none of
+# these is a held-out label (tests/test_corpus_hard.py).
+TRAINING_LABELS: dict[str, tuple[str, ...]] = {
+    "full_name": ("Customer name", "Account holder", "Full name of applicant", "Name (surname first)",
+                  "Client name", "Holder's name", "Name as per ID", "Your name"),
+    "date_of_birth": ("DOB", "D.O.B.", "Birth date", "Date born", "Born", "Date of birth (YYYY-MM-DD)",
+                      "Birthday", "Year/month/day of birth"),
+    "nationality": ("Citizenship", "Country of citizenship", "Nationality (country)", "National of",
+                    "Country (nationality)", "Country of origin"),
+    "id_number": ("ID no.", "Passport number", "National ID", "Document no.", "ID card number",
+                  "Identity no.", "Passport / ID ref."),
+    "phone": ("Mobile", "Telephone", "Phone", "Mobile number", "Contact number", "Tel. no.",
+              "Cell phone", "Mob."),
+    "account_type": ("Account type", "Kind of account", "Account requested", "Type of a/c",
+                     "Account product", "A/C type"),
+    "email": ("Email", "E-mail ID", "Mail address", "Email address (optional)"),
+    "occupation": ("Profession", "Job", "Employment / job title", "Designation"),
+    "lc_number": ("LC number", "Credit number", "DC ref.", "L/C No.", "Reference of credit", "LC no."),
+    "issue_date": ("Issue date", "Date issued", "Date of opening", "Issued on"),
+    "expiry_date": ("Expiry date", "Expires on", "Valid until", "Date of expiry", "Last validity date"),
+    "applicant": ("Buyer", "Applicant", "Importer (applicant)", "Ordering customer", "Opener"),
+    "beneficiary": ("Seller", "Beneficiary", "Exporter (beneficiary)", "In favour of", "Payee name"),
+    "amount": ("Amount", "LC amount", "Credit value", "Value of credit", "Sum of credit", "Total amount"),
+    "issuing_bank": ("Bank of issue", "Issuing bank name", "Issued by"),
+    "port_of_loading": ("Port of loading", "Shipment from", "Loading at", "Place of loading"),
+    "incoterm": ("Delivery terms", "Trade terms", "Incoterms", "Price terms"),
+    "applicant_name": ("Applicant", "Borrower", "Name of borrower", "Customer name", "Applicant (name)"),
+    "loan_amount": ("Loan amount", "Amount requested", "Amount applied for", "Principal", "Facility sought"),
+    "term_months": ("Term", "Tenor", "Loan term", "Repayment period", "No. of months"),
+    "purpose": ("Purpose", "Loan purpose", "Use of funds", "Reason for loan"),
+    "annual_income": ("Annual income", "Yearly income", "Income (annual)", "Gross annual pay", "Salary p.a."),
+    "employment_status": ("Employment status", "Job status", "Employment category", "Status of employment"),
+    "application_date": ("Application date", "Date of application", "Applied on", "Dated"),
+    "co_applicant": ("Co-borrower", "Joint applicant", "Second borrower", "Co-applicant"),
+    "currency": ("Currency", "Curr.", "Currency code", "Denomination"),
+}
