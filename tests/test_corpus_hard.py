@@ -18,6 +18,7 @@ from nowait.extraction.corpus import (
     KINDS,
     TIERS,
     documents,
+    hard_documents_relabelled,
     held_out_texts,
     schema_for,
     training_range,
@@ -323,3 +324,17 @@ def test_train_refuses_a_hard_fraction_outside_zero_to_one(tmp_path):
                                       "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "out")])
     assert result.exit_code != 0 and "--hard-fraction" in result.output
     assert not (tmp_path / "run").exists()
+
+
+def test_relabelled_documents_keep_the_layouts_and_take_the_other_label_set():
+    drawn, swapped = documents("test", 60, tier="hard"), hard_documents_relabelled("test", 60)
+    assert [(d.layout, d.doc_id, d.kind) for d in drawn] == [(d.layout, d.doc_id, d.kind) for d in swapped]
+    assert swapped == hard_documents_relabelled("test", 60)
+    for before, after in zip(drawn, swapped, strict=True):
+        if before.layout.startswith("letter"):
+            continue  # a letter states its fields in sentences
+        trained = {label for f in HARD_FIELDS[before.kind] for label in f.labels}
+        held = before.layout in HELD_OUT_LAYOUTS
+        source, other = (after, before) if held else (before, after)
+        assert any(f"{label}" in source.text for label in trained)
+        assert any(label in other.text for label in HELD_OUT_LABELS)

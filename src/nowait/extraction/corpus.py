@@ -107,13 +107,13 @@ def _document_at(stream: str, index: int, variety: float = 1.0) -> Document:
     return Document(kind=document.kind, text=document.text, fields=document.fields, doc_id=f"{stream}-{index}")
 
 
-def _hard_document_at(stream: str, index: int) -> Document:
+def _hard_document_at(stream: str, index: int, swap_labels: bool = False) -> Document:
     """A hard-tier document; held-out layouts and labels only outside `train` and `validation`,
     the training-only label wordings (`hard_kinds.TRAINING_LABELS`) only in `train`."""
     rng = random.Random(f"nowait:hard:{stream}:{index}")
     kind = KINDS[index % len(KINDS)]
     held_out = rng.random() < HELD_OUT_SHARE and stream not in ("train", "validation")
-    text, fields, layout = render_hard(kind, rng, held_out, widen_labels=stream == "train")
+    text, fields, layout = render_hard(kind, rng, held_out, widen_labels=stream == "train", swap_labels=swap_labels)
     return Document(kind=kind, text=text, fields=fields, doc_id=f"hard-{stream}-{index}", tier="hard",
                     layout=layout, instruction=draw_instruction(kind, rng, len(text)))
 
@@ -156,6 +156,15 @@ def documents(split: str | None = "test", n: int = 100, seed: int | None = None,
         raise ValueError(f"unknown tier {tier!r}; choose one of {', '.join(TIERS)}")
     stream = _stream_name(split, seed)
     return [_tier_document_at(stream, i, tier) for i in range(n)]
+
+
+def hard_documents_relabelled(split: str | None = "test", n: int = 100, seed: int | None = None) -> list[Document]:
+    """Hard documents in the layouts of `documents(split, n, seed, tier="hard")` with the other
+    label set: held-out layouts with the training labels, training layouts with the held-out ones
+    (the values drawn after the labels differ). Only for telling whether a model misses an unseen
+    layout or an unseen wording (scripts/hard_layouts.py --labels swapped)."""
+    stream = _stream_name(split, seed)
+    return [_hard_document_at(stream, i, swap_labels=True) for i in range(n)]
 
 
 def _training_document_at(index: int, variety: float, hard_fraction: float) -> Document:

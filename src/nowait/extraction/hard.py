@@ -160,13 +160,14 @@ def layout_lines(d: Draft, layout: str, rng: random.Random) -> list[str]:
     raise ValueError(f"unknown layout {layout!r}")
 
 
-def render_hard(kind: str, rng: random.Random, held_out: bool,
-                widen_labels: bool = False) -> tuple[str, dict[str, object], str]:
+def render_hard(kind: str, rng: random.Random, held_out: bool, widen_labels: bool = False,
+                swap_labels: bool = False) -> tuple[str, dict[str, object], str]:
     """(text, truth, layout) of one hard document; `held_out` picks a held-out layout and labels,
-    `widen_labels` (training documents) the training-only wordings beside the usual ones."""
+    `widen_labels` (training documents) the training-only wordings beside the usual ones;
+    `swap_labels` the other label set for the same layout (a diagnostic: layout or labels?)."""
     family = rng.choice(TRAIN_LAYOUTS)
     layout = LAYOUT_FAMILIES[family] if held_out else family
-    d = draft(kind, rng, held_out, amend=family == "amendment", widen_labels=widen_labels)
+    d = draft(kind, rng, held_out, amend=family == "amendment", widen_labels=widen_labels, swap_labels=swap_labels)
     lines = layout_lines(d, layout, rng)
     lines = lines if layout in POSITIONAL_LAYOUTS else stray_marks(lines, rng)
     return "\n".join(lines).strip(), d.fields, layout

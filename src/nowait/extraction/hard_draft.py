@@ -63,9 +63,11 @@ def _label_pool(spec: HardField, held_out: bool, widen: bool) -> tuple[str, ...]
     return spec.labels + TRAINING_LABELS.get(spec.key, ()) if widen else spec.labels
 
 
-def draft(kind: str, rng: random.Random, held_out: bool, amend: bool = False, widen_labels: bool = False) -> Draft:
+def draft(kind: str, rng: random.Random, held_out: bool, amend: bool = False, widen_labels: bool = False,
+          swap_labels: bool = False) -> Draft:
     """Draw the truth and how each value and label is written (no layout yet); `widen_labels`
-    (the training stream) also draws from `TRAINING_LABELS`."""
+    (the training stream) also draws from `TRAINING_LABELS`; `swap_labels` writes each label from
+    the other set (held-out for training, training for held-out)."""
     specs = HARD_FIELDS[kind]
     d = Draft(kind, held_out, {key: None for key in KIND_SPECS[kind].schema["properties"]})
     currency = rng.choice(pools.CURRENCIES)
@@ -86,6 +88,8 @@ def draft(kind: str, rng: random.Random, held_out: bool, amend: bool = False, wi
         d.prose[spec.key] = _noisy(prose_text, spec, rng)
     for spec in (*specs, CURRENCY_FIELD):
         label = rng.choice(_label_pool(spec, held_out, widen_labels))
+        if swap_labels:
+            label = rng.choice(_label_pool(spec, not held_out, False))
         d.labels[spec.key] = damage_label(label, rng) if rng.random() < LABEL_NOISE else label
     for label, render in rng.sample(HARD_DISTRACTORS[kind], k=rng.randint(1, 2)):
         d.distractors.append((label, render(rng)[0]))
