@@ -91,6 +91,16 @@ def test_measure_batching_compares_batched_and_sequential(codec, model):
         assert r["decode_s"]["sequential"] > 0 and r["decode_speedup"] > 0
 
 
+def test_measure_batching_with_the_static_decode_step_on_reports_it_and_keeps_the_outputs(codec, model):
+    """--cuda-graphs on, on this CPU: the static-shape step runs eagerly (nothing captured);
+    the batch and the one-at-a-time run still agree token for token."""
+    [r] = measure_batching(model, codec, documents("test", 3), concurrency=(3,), max_tokens=4, rounds=1,
+                           cuda_graphs=True)
+    assert r["outputs_identical"] and r["cuda_graphs"] == {"captured": False, "graphs": 0}
+    [plain] = measure_batching(model, codec, documents("test", 3), concurrency=(3,), max_tokens=4, rounds=1)
+    assert "cuda_graphs" not in plain
+
+
 @pytest.mark.parametrize("structured", [False, True])
 def test_measure_batching_runs_a_diffusion_checkpoint_through_its_own_engine(codec, structured):
     diffusion = build_model(2, vocab_size=codec.vocab_size, causal=False, mask_token_id=codec.mask_id,

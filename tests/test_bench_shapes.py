@@ -67,6 +67,20 @@ def test_shrunken_shape_is_timed_beside_the_planner(monkeypatch):
     assert tiny.causal  # the timing switched attention per case and put it back
 
 
+def test_the_graphed_steps_time_the_cases_they_run_and_no_others():
+    """On a GPU each case the engines replay as a CUDA Graph is timed that way too; here the same
+    static-shape steps run eagerly, the case's cache left as declared."""
+    tiny = replace(shape_config("qwen2.5-0.5b"), vocab_size=512, hidden_size=64, intermediate_size=128,
+                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=None)
+    tiny.__post_init__()
+    model = build_model(tiny)
+    for case in (StepCase("ar-decode-b3", 3, 1, 20, True, 1.0), StepCase("diffusion-block8-b1", 1, 8, 16, False, 2.0)):
+        assert shapes.time_graphed_step(model, case, budget_s=0.02) > 0
+    assert shapes.time_graphed_step(model, StepCase("diffusion-block8-b2", 2, 8, 16, False, 2.0)) is None
+    assert shapes.time_graphed_step(model, StepCase("prefill", 1, 8, 0, True, 1.0)) is None
+    assert model.config.causal
+
+
 def test_shape_command_prints_json(monkeypatch):
     tiny = replace(shape_config("llada-8b"), vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=1,
                    num_heads=2, num_kv_heads=2, head_dim=None)

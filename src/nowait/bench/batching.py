@@ -36,13 +36,13 @@ def _requests(prompts: list[list[int]], max_tokens: int, schemas: list[dict | No
 
 
 def _engine(model: Transformer, codec: TextCodec, prompts: list[list[int]], concurrency: tuple[int, ...],
-            max_tokens: int, max_num_batched_tokens: int):
+            max_tokens: int, max_num_batched_tokens: int, cuda_graphs: bool | None = None):
     """The checkpoint's kind of engine, sized for these requests, from the engine factory."""
     from nowait.engines.config import ArEngineConfig, DiffusionEngineConfig
     from nowait.engines.factory import EngineModel, engine_from
 
     if not model.config.causal:
-        return engine_from(DiffusionEngineConfig(kind="diffusion", max_batch=max(concurrency)),
+        return engine_from(DiffusionEngineConfig(kind="diffusion", max_batch=max(concurrency), cuda_graphs=cuda_graphs),
                            EngineModel(model, codec))
     # Rows sized for these requests, not for the model's longest context: memory is rows x length.
     max_model_len = min(model.config.max_position, max(len(p) for p in prompts) + max_tokens + 1)
@@ -50,7 +50,8 @@ def _engine(model: Transformer, codec: TextCodec, prompts: list[list[int]], conc
     # across the turns, so each would restore the other's prompts whole, which no workload does.
     config = ArEngineConfig(kind="ar", max_num_seqs=max(concurrency),
                             max_num_batched_tokens=max(max_num_batched_tokens, max(concurrency)),
-                            max_model_len=max_model_len, prefix_cache_tokens=0, structured=False)
+                            max_model_len=max_model_len, prefix_cache_tokens=0, structured=False,
+                            cuda_graphs=cuda_graphs)
     return engine_from(config, EngineModel(model, codec))
 
 
@@ -63,11 +64,12 @@ def split_turns(n: int, rounds: int) -> list[range]:
 def measure_batching(model: Transformer, codec: TextCodec, docs: list[Document],
                      concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY, max_tokens: int = ANSWER_TOKENS,
                      max_num_batched_tokens: int = 4096, structured: bool = False, rounds: int = 3,
-                     peak_flops: float | None = None) -> list[dict]:
+                     peak_flops: float | None = None, cuda_graphs: bool | None = None) -> list[dict]:
     """One result per concurrency: batched and sequential output tokens/s, identical outputs.
     `structured` (diffusion): each request fills its kind's schema template. Each run's time per
     model forward sits beside that forward's compute floor (`nowait.bench.step_floor`) over
     `peak_flops` (default: this device's matmul peak, measured here in about a second).
+    `cuda_graphs`: the engine's `cuda_graphs` (None: on with a CUDA device).
 
     The two runs take turns, `rounds` times: the batch, then a part of the one-at-a-time run,
     then the batch again, and so on. A shared machine's load changes over seconds, and the batch
@@ -86,7 +88,7 @@ def measure_batching(model: Transformer, codec: TextCodec, docs: list[Document],
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     prompts = [codec.encode(extraction_prompt(d.kind, d.text)) for d in docs]
     schemas = [schema_for(d.kind) if structured else None for d in docs]
-    engine = _engine(model, codec, prompts, concurrency, max_tokens, max_num_batched_tokens)
+    engine = _engine(model, codec, prompts, concurrency, max_tokens, max_num_batched_tokens, cuda_graphs)
     # Warm-up at the largest concurrency: first-call allocations stay out of the numbers. The
     # first batch of a size touches fresh memory for its temporaries (AR: the prefill groups'
     # caches; diffusion: the batch cache, allocated as it goes, at full width), and in the
@@ -155,6 +157,9 @@ def measure_batching(model: Transformer, codec: TextCodec, docs: list[Document],
                 "sequential_forwards": sum(stop - start for start, stop in sequential_spans),
                 "peak_flops": peak_flops,
             }
+            graphed = getattr(getattr(engine, "runner", None), "graphed", None) or getattr(engine, "compiled", None)
+            if hasattr(graphed, "captured_graphs"):  # a static-shape step: the CUDA Graphs recorded so far
+                result["cuda_graphs"] = {"captured": graphed.capture, "graphs": graphed.captured_graphs}
             if phases is not None:
                 result.update({
                     "prefill_s": {"batched": round(batched_phases["prefill"], 3),
@@ -189,6 +194,9 @@ def batching(
                                                     "fixed policy: random weights give no meaningful confidence)"),
     diffusion_concurrency: str = typer.Option("1,8", help="with --shape: batch sizes of the diffusion block step"),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N"),
+    cuda_graphs: str = typer.Option("auto", "--cuda-graphs", help="replay decode steps (AR) and one-request block "
+                                                                  "steps (diffusion) as CUDA Graphs: auto (on with a "
+                                                                  "CUDA device), on or off"),
     host_budget: float = typer.Option(1.0, min=0.01, help="seconds to measure the matmul peak each step's compute "
                                                           "floor is read against"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
@@ -201,6 +209,10 @@ def batching(
     from nowait.engines.factory import ModelCache
     from nowait.extraction.corpus import documents
 
+    graphs = {"auto": None, "on": True, "off": False}.get(cuda_graphs, "bad")
+    if graphs == "bad":
+        typer.echo(f"error: --cuda-graphs must be auto, on or off, got {cuda_graphs!r}", err=True)
+        raise typer.Exit(code=2)
     try:
         levels = tuple(int(x) for x in concurrency.split(","))
     except ValueError:
@@ -244,7 +256,7 @@ def batching(
     peak = matmul_peak(device, dtype_name(loaded.model), host_budget)
     try:
         results = measure_batching(loaded.model, loaded.codec, docs, levels, max_tokens, max_num_batched_tokens,
-                                   structured, rounds, peak_flops=peak)
+                                   structured, rounds, peak_flops=peak, cuda_graphs=graphs)
     except ValueError as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(code=2) from None
@@ -253,7 +265,8 @@ def batching(
         print(json.dumps({"results": results, "settings": {"model": str(loaded.path), "engine": engine,
                                                            "structured": structured, "max_tokens": max_tokens,
                                                            "rounds": rounds, "threads": torch.get_num_threads(),
-                                                           "device": device, "peak_flops": peak}}))
+                                                           "device": device, "peak_flops": peak,
+                                                           "cuda_graphs": cuda_graphs}}))
         return
     for r in results:
         phases = (f"; decode phase {r['decode_speedup']}x, prefill {r['prefill_s']['sequential']:.2f} s of "

@@ -149,6 +149,45 @@ def time_step(model: Transformer, case: StepCase, budget_s: float = 1.0, device:
         config.causal = causal
 
 
+@torch.inference_mode()
+def time_graphed_step(model: Transformer, case: StepCase, budget_s: float = 1.0, device: str = "cpu",
+                      repeats: int = 50) -> float | None:
+    """`time_step` through the engines' static-shape steps, which a CUDA device replays as CUDA
+    Graphs (`nowait.model.graphed_step`, `graphed_block`): AR decode at any batch, a diffusion
+    block at batch 1 (the engine graphs one request's steps). None for another case. On a CPU
+    the same steps run eagerly (nothing to replay)."""
+    from nowait.model.graphed_block import GraphedBlock
+    from nowait.model.graphed_step import GraphedDecode
+
+    if (case.causal and case.new_tokens != 1) or (not case.causal and case.batch != 1):
+        return None
+    config = model.config
+    causal, config.causal = config.causal, case.causal
+    try:
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, config.vocab_size, (case.batch, case.new_tokens), generator=generator).to(device)
+        cache = KVCache(config, case.batch, case.cached_tokens + case.new_tokens,
+                        dtype=model.output_weight().dtype, device=device)
+        filled = torch.full_like(cache.lengths, case.cached_tokens)  # declared filled, as in `time_step`
+        cache.lengths = filled.clone()
+        if case.causal:
+            graphed, tokens = GraphedDecode(model, cache), ids[:, 0].tolist()
+
+            def step() -> None:
+                graphed(tokens, cache, case.cached_tokens + 1)
+                cache.lengths = filled.clone()
+        else:
+            block, span, reads = GraphedBlock(model), ids[0], torch.arange(case.new_tokens, device=device)[None]
+
+            def step() -> None:
+                block(span, case.cached_tokens, cache, reads)
+                cache.lengths = filled.clone()
+
+        return best_time(step, device, budget_s, repeats)
+    finally:
+        config.causal = causal
+
+
 def device_accelerator(device: str, budget_s: float = 3.0):
     """The device as the planner's `Accelerator`: this host measured, or a GPU measured the same way
     (a best-of matmul for the peak, a large copy for the bandwidth), its catalog entry beside it."""
@@ -211,7 +250,12 @@ def measure_shape(name: str, cases: list[StepCase], dtype: str = "fp32", device:
     for case in cases:
         seconds = time_step(model, case, budget_s, device)
         cost = config.forward_cost(case.new_tokens, case.cached_tokens, case.batch, dtype_bytes)
-        results.append(case_result(case, seconds, cost, predicted(config, accelerator, dtype, case), peak, bandwidth))
+        result = case_result(case, seconds, cost, predicted(config, accelerator, dtype, case), peak, bandwidth)
+        # On a GPU, the engines' step as they run it there (CUDA Graphs), beside the eager forward.
+        graphed = time_graphed_step(model, case, budget_s, device) if device.startswith("cuda") else None
+        if graphed is not None:
+            result.update({"cuda_graph_seconds": graphed, "cuda_graph_speedup": seconds / graphed})
+        results.append(result)
     del model
     return {"shape": name, "dtype": dtype, "device": device, "parameters": config.parameter_count(),
             "published_parameters": published_parameters(name), "peak_flops": peak, "bandwidth": bandwidth,

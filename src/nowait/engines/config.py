@@ -89,6 +89,9 @@ class ArEngineConfig(OwnedEngineConfig):
     structured: bool = Field(True, description="build the JSON-schema grammar (response_format)")
     compile: bool = Field(False, description="run a step that feeds one token to one sequence as a compiled graph "
                                              "(torch.compile; compiled when the engine starts, seconds to a minute)")
+    cuda_graphs: bool | None = Field(None, description="replay decode steps (one token to every running sequence) "
+                                                       "as CUDA Graphs, captured per batch and key-length bucket on "
+                                                       "first use; null: on when the model is on a CUDA device")
 
     @model_validator(mode="after")
     def _token_cap_holds_a_batch(self) -> ArEngineConfig:
@@ -141,6 +144,10 @@ class DiffusionEngineConfig(OwnedEngineConfig):
     compile: bool = Field(False, description="run a forward of one request (the dual cache's steps and refreshes) "
                                              "as a compiled graph (torch.compile; compiled when the engine starts, "
                                              "tens of seconds)")
+    cuda_graphs: bool | None = Field(None, description="replay those forwards of one request as CUDA Graphs, "
+                                                       "captured per span and key-length bucket on first use "
+                                                       "(in place of compile); null: on when the model is on a "
+                                                       "CUDA device")
 
     @field_validator("options")
     @classmethod

@@ -154,10 +154,10 @@ def _engine(config: OwnedEngineSpec, target: EngineModel, draft: EngineModel | N
                                     end_ids=target.end_ids or ())
     if isinstance(config, DiffusionEngineConfig):
         return DiffusionEngine(target.model, target.codec, config.diffusion_options(), max_batch=config.max_batch,
-                               end_ids=target.end_ids, compile=config.compile)
+                               end_ids=target.end_ids, compile=config.compile, cuda_graphs=config.cuda_graphs)
     engine_config = EngineConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                                  max_model_len=config.max_model_len, prefix_cache_tokens=config.prefix_cache_tokens,
-                                 compile_decode=config.compile)
+                                 compile_decode=config.compile, cuda_graphs=config.cuda_graphs)
     grammar = _grammar(target) if config.structured else None
     if isinstance(config, SpecEngineConfig):
         return _speculative(config, target, draft, engine_config, grammar)

@@ -29,6 +29,7 @@ from nowait.engines.base import Completion, GenerationRequest, InvalidRequestErr
 from nowait.engines.logprobs import row_logprobs
 from nowait.model import KVCache, Transformer
 from nowait.model.compiled_step import CompiledDecode
+from nowait.model.graphed_step import GraphedDecode
 from nowait.tokenizer import TextCodec
 
 if TYPE_CHECKING:  # llguidance is imported only by engines that constrain output
@@ -98,6 +99,10 @@ class EngineConfig:
     tokens and at least one row's, 0 turns it off. `prefix_block_size`: the unit of sharing.
     `compile_decode`: a step that feeds one token to one sequence runs a compiled graph
     (`nowait.model.compiled_step`), compiled when the engine is built (seconds to a minute).
+    `cuda_graphs`: decode steps (every running row fed one token) replay CUDA Graphs
+    (`nowait.model.graphed_step`), captured per batch and key-length bucket on first use; None
+    (default) turns them on when the model is on a CUDA device. True on a CPU runs the same
+    static-shape step eagerly (tests use it; it only adds padded work there).
     """
 
     max_num_seqs: int = 64
@@ -107,6 +112,7 @@ class EngineConfig:
     prefix_cache_tokens: int | None = None
     prefix_block_size: int = 16
     compile_decode: bool = False
+    cuda_graphs: bool | None = None
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_waiting)
@@ -143,7 +149,8 @@ class AutoregressiveEngine:
         self.scheduler = Scheduler(self.config.scheduler_config())
         self.pool = CachePool(self._cached_models(), self.config.max_num_seqs,
                               self.max_model_len + self._lookahead())
-        self.runner = ModelRunner(model, self.pool, 0, pad_id=self.end_id, compiled=self._compiled(model))
+        self.runner = ModelRunner(model, self.pool, 0, pad_id=self.end_id, compiled=self._compiled(model),
+                                  graphed=self._graphed(model))
         self.prefix_cache = self._prefix_cache()
         self.vocab_size = model.config.vocab_size
         self.steps = {"prefill": 0, "decode": 0}
@@ -173,6 +180,13 @@ class AutoregressiveEngine:
         compiled = CompiledDecode(model)
         compiled.warm_up()
         return compiled
+
+    def _graphed(self, model: Transformer, index: int = 0) -> GraphedDecode | None:
+        """`model`'s CUDA-Graph decode step over the pool's cache `index`, when the config and
+        the device say so."""
+        on_cuda = model.output_weight().device.type == "cuda"
+        wanted = on_cuda if self.config.cuda_graphs is None else self.config.cuda_graphs
+        return GraphedDecode(model, self.pool.caches[index], capture=on_cuda) if wanted else None
 
     # --- hooks the speculative engine overrides ---
 
@@ -305,7 +319,8 @@ class AutoregressiveEngine:
 
     def _run_decode(self, batch: ScheduledBatch) -> None:
         seqs = self._rows(batch)
-        logits = self.runner.forward_rows([[s.last_token] for s in seqs])[:, -1]
+        longest = max(s.num_cached for s in seqs) + 1  # keys the longest row holds after the step
+        logits = self.runner.forward_rows([[s.last_token] for s in seqs], longest=longest)[:, -1]
         for seq in seqs:
             seq.num_cached += 1
             seq.forwards += 1

@@ -18,6 +18,7 @@ from torch import Tensor
 from nowait.engines.ar.sequence import Sequence
 from nowait.model import KVCache, Transformer
 from nowait.model.compiled_step import CompiledDecode
+from nowait.model.graphed_step import GraphedDecode
 
 
 def length_groups(lengths: list[int], max_padding: float = 0.1) -> list[list[int]]:
@@ -98,15 +99,20 @@ class ModelRunner:
     """Forwards of one model over sequences whose keys/values live in `pool.caches[index]`."""
 
     def __init__(self, model: Transformer, pool: CachePool, index: int, pad_id: int,
-                 compiled: CompiledDecode | None = None) -> None:
+                 compiled: CompiledDecode | None = None, graphed: GraphedDecode | None = None) -> None:
         """`compiled`: the model's compiled decode step, which then runs every step that feeds
-        one token to one row (the real-time path); other forwards stay eager."""
+        one token to one row (the real-time path); `graphed`: the CUDA-Graph decode step over
+        this runner's cache, which runs every step that feeds one token to every row (before
+        `compiled`); other forwards stay eager."""
         self.model = model
         self.pool = pool
         self.index = index
         self.pad_id = pad_id
         self.device = model.output_weight().device
         self.compiled = compiled
+        self.graphed = graphed
+        if graphed is not None and graphed.cache is not self.cache:
+            raise ValueError("the graphed decode step was built for another cache than this runner's")
 
     @property
     def cache(self) -> KVCache:
@@ -163,13 +169,19 @@ class ModelRunner:
         return logits[:, 0]
 
     @torch.no_grad()
-    def forward_rows(self, tokens: list[list[int]]) -> Tensor:
+    def forward_rows(self, tokens: list[list[int]], longest: int | None = None) -> Tensor:
         """Feed `tokens[r]` to the sequence in row r, for every occupied row, in place.
 
         Returns the logits at every new position, [rows, longest, vocab]; rows with fewer
         tokens are right padded (their padded keys land past their length and are never read).
+        `longest`: the most tokens a row holds after this forward, when the caller knows it
+        (the graphed step then needs no host read of the lengths).
         """
         view = self.pool.view(self.index)
+        if self.graphed is not None and all(len(t) == 1 for t in tokens):
+            logits = self.graphed([t[0] for t in tokens], view, longest)
+            self.pool.commit_view(view, self.index)
+            return logits
         if self.compiled is not None and len(tokens) == 1 and len(tokens[0]) == 1:
             logits = self.compiled(tokens[0][0], view)
             self.pool.commit_view(view, self.index)

@@ -44,6 +44,7 @@ from nowait.engines.diffusion.row import RowState
 from nowait.engines.structured.templates import TemplateCompiler
 from nowait.model import KVCache, Transformer
 from nowait.model.compiled_block import CompiledBlock
+from nowait.model.graphed_block import GraphedBlock
 from nowait.tokenizer import TextCodec
 
 
@@ -54,13 +55,16 @@ class DiffusionEngine:
 
     def __init__(self, model: Transformer, codec: TextCodec, options: DiffusionOptions | None = None,
                  max_batch: int = 8, name: str = "diffusion", *, end_ids: Sequence[int] | None = None,
-                 compile: bool = False) -> None:
+                 compile: bool = False, cuda_graphs: bool | None = None) -> None:
         """`end_ids`: the checkpoint's end-of-text ids (`LoadedModel.conventions.end_ids`); an
         answer ends at the first of any of them. Default: the demo tokenizer's end token.
         `compile`: a forward of one row that writes its span (the dual cache's steps and
         refreshes) runs a compiled graph (`nowait.model.compiled_block`), compiled now (tens of
         seconds); forwards of several rows, and a request's first forward (its prompt isolated,
-        two attention kernels, measured faster eager), stay eager."""
+        two attention kernels, measured faster eager), stay eager. `cuda_graphs`: those same
+        forwards replay CUDA Graphs instead (`nowait.model.graphed_block`); None (default): on
+        when the model is on a CUDA device; True on a CPU runs the static-shape step eagerly
+        (tests); on, it takes the place of `compile`."""
         if model.config.causal:
             raise ValueError("the diffusion engine needs a bidirectional model; this one is causal (AR)")
         if max_batch < 1:
@@ -80,8 +84,11 @@ class DiffusionEngine:
         self.end_id = self.end_ids[0]  # also pads the rows of a batch
         self.compiler = TemplateCompiler(codec, self.mask_id)
         self.storage = CacheStorage()  # cache memory kept from one request to the next
-        self.compiled: CompiledBlock | None = None
-        if compile:
+        self.compiled: CompiledBlock | GraphedBlock | None = None
+        on_cuda = model.output_weight().device.type == "cuda"
+        if on_cuda if cuda_graphs is None else cuda_graphs:
+            self.compiled = GraphedBlock(self.model, capture=on_cuda)
+        elif compile:
             self.compiled = CompiledBlock(self.model)
             self.compiled.warm_up()
 
@@ -136,7 +143,8 @@ class _Scheduler:
     """Decodes rows of one cache mode, at most `max_batch` at a time."""
 
     def __init__(self, model: Transformer, rows: list[RowState], cache_mode: str, max_batch: int,
-                 pad_id: int, storage: CacheStorage | None = None, compiled: CompiledBlock | None = None) -> None:
+                 pad_id: int, storage: CacheStorage | None = None,
+                 compiled: CompiledBlock | GraphedBlock | None = None) -> None:
         self.model, self.cache_mode, self.max_batch, self.pad_id = model, cache_mode, max_batch, pad_id
         self.storage = storage
         self.compiled = compiled

@@ -100,7 +100,8 @@ class SpeculativeEngine(AutoregressiveEngine):
         self.drafter = drafter if self.speculative.uses_drafter else None
         self.draft = draft.eval() if draft is not None and self.speculative.uses_draft else None
         super().__init__(model, codec, config, end_id=end_id, end_ids=end_ids, grammar=grammar)
-        self.draft_runner = ModelRunner(self.draft, self.pool, 1, pad_id=self.end_id) if self.draft else None
+        self.draft_runner = (ModelRunner(self.draft, self.pool, 1, pad_id=self.end_id,
+                                         graphed=self._graphed(self.draft, 1)) if self.draft else None)
 
     def _cached_models(self) -> list[Transformer]:
         return [self.model] + ([self.draft] if self.draft is not None else [])

@@ -1,0 +1,197 @@
+"""The AR decode step over the cache pool with static shapes, replayed as CUDA Graphs.
+
+On a GPU a decode step of a small batch is kernel launches, not arithmetic: a few hundred
+kernels, each a few microseconds of CPU to launch, for a step whose math takes less. A CUDA
+Graph records the step's kernels once and replays them with one launch (the technique vLLM
+and SGLang use for decode, and dInfer for diffusion steps). A graph replays fixed shapes and
+fixed memory, so `static_decode_logits` is the step written for that: rows [0, B) of the
+engine's cache pool (which never moves), B from a few batch buckets (rows past the running
+ones are padding, their writes land in free rows), keys read up to a bucket of S slots with a
+mask instead of exactly each row's length, the new keys and values written at each row's
+position by index (no slice whose bounds are host numbers), and no host read or branch on
+the data. Token ids and positions come in through preallocated buffers that each replay reads.
+
+The same numbers as `Transformer.forward` up to float rounding (tests compare on the CPU,
+where the same static function runs eagerly). `GraphedDecode` captures on CUDA only; on the
+CPU it runs the function as it is (for tests; the CPU engines never turn it on: a CPU has no
+launch cost to save, and the padded shapes only add work).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from nowait.model.kv_cache import KVCache
+from nowait.model.transformer import Transformer, apply_rotary, rms_norm
+
+log = logging.getLogger(__name__)
+
+# vLLM captures decode graphs for batch sizes 1, 2, 4, 8 and then every 8; powers of two keep
+# the count of graphs (batch buckets x slot buckets) small at a padding cost under 2x.
+BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+SMALLEST_SLOT_BUCKET = 64
+
+
+def bucket(size: int, buckets: Sequence[int], cap: int) -> int:
+    """The smallest of `buckets` that holds `size`, never above `cap` (the cap itself when
+    none of them fits under it). `size` must be at most `cap`."""
+    if not 0 < size <= cap:
+        raise ValueError(f"size {size} outside (0, {cap}]")
+    return next((b for b in buckets if size <= b <= cap), cap)
+
+
+def slot_buckets(max_tokens: int) -> tuple[int, ...]:
+    """Key lengths a step is compiled for: powers of two from 64, then the cache's size."""
+    sizes, size = [], SMALLEST_SLOT_BUCKET
+    while size < max_tokens:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, max_tokens)
+
+
+def static_decode_logits(model: Transformer, tokens: Tensor, positions: Tensor, rope: Tensor,
+                         keys: list[Tensor], values: list[Tensor]) -> Tensor:
+    """Logits [B, vocab] after feeding `tokens[b]` [B] at `positions[b]` [B] to row b.
+
+    `keys`/`values`: each layer's cache rows, [B, kv_heads, S, head_dim], S > every position;
+    the new key and value are written at slot `positions[b]` of row b and the row attends to
+    slots [0, positions[b]]. `rope`: `Model.rope`'s table, at least S rows."""
+    config = model.config
+    heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
+    batch, slots = tokens.shape[0], keys[0].shape[2] if keys else 0
+    rows = torch.arange(batch, device=tokens.device)
+    visible = (torch.arange(slots, device=tokens.device)[None] <= positions[:, None])[:, None, None]  # [B,1,1,S]
+    table = rope[positions][:, None]  # [B, 1, 2, D]: each row's cos and signed sin
+    cos, sin = table[..., 0:1, :], table[..., 1:2, :]
+    x = F.embedding(tokens, model.embed_tokens.weight)  # [B, hidden]
+    for layer, layer_keys, layer_values in zip(model.layers, keys, values, strict=True):
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = F.linear(rms_norm(x, layer.input_layernorm.weight, layer.eps), attn.qkv_proj.weight,
+                       attn.qkv_proj.bias).view(batch, 1, heads + 2 * kv_heads, dim)
+        qk = apply_rotary(qkv[:, :, : heads + kv_heads], cos, sin)[:, 0]  # [B, heads + kv_heads, D]
+        # keys[rows, :, positions] is [B, kv_heads, D]: the advanced indices' dimension first.
+        layer_keys[rows, :, positions] = qk[:, heads:].to(layer_keys.dtype)
+        layer_values[rows, :, positions] = qkv[:, 0, heads + kv_heads:].to(layer_values.dtype)
+        q = qk[:, :heads, None]  # [B, heads, 1, D]
+        out = F.scaled_dot_product_attention(q, layer_keys.to(q.dtype), layer_values.to(q.dtype),
+                                             attn_mask=visible, enable_gqa=True)
+        x = x + F.linear(out.reshape(batch, heads * dim), attn.o_proj.weight)
+        gate, up = F.linear(rms_norm(x, layer.post_attention_layernorm.weight, layer.eps),
+                            mlp.gate_up_proj.weight).split(mlp.intermediate, dim=-1)
+        x = x + F.linear(F.silu(gate) * up, mlp.down_proj.weight)
+    return F.linear(model.norm(x), model.output_weight())
+
+
+class GraphedDecode:
+    """Decode steps over the first rows of `cache` (an engine's pool), one CUDA Graph per
+    (batch bucket, slot bucket), captured the first time that pair is needed.
+
+    `capture`: record graphs (default: when the cache is on a CUDA device). Without, each call
+    runs `static_decode_logits` eagerly on the same buckets: the fallback, and what the CPU
+    tests compare. Each new graph's first replay is checked against an eager run of the same
+    step on the same inputs; a graph that disagrees turns capture off (logged) rather than
+    serve numbers no test has seen."""
+
+    def __init__(self, model: Transformer, cache: KVCache, capture: bool | None = None,
+                 batch_buckets: Sequence[int] = BATCH_BUCKETS) -> None:
+        if not model.config.causal:
+            raise ValueError("a graphed decode step needs a causal (AR) model")
+        device = cache.keys[0].device if cache.keys else cache.lengths.device
+        self.model = model
+        self.cache = cache
+        self.capture = device.type == "cuda" if capture is None else capture
+        if self.capture and device.type != "cuda":
+            raise ValueError(f"CUDA Graphs need a CUDA device; this cache is on {device}")
+        self.batch_buckets = tuple(batch_buckets)
+        self.slot_buckets = slot_buckets(cache.max_tokens)
+        # Inputs every replay reads: written in place before each one.
+        self.tokens = torch.zeros(cache.batch, dtype=torch.long, device=device)
+        self.positions = torch.zeros(cache.batch, dtype=torch.long, device=device)
+        # Held here: a graph reads the table's memory, which a later, longer `model.rope`
+        # call would otherwise replace and free.
+        self.rope = model.rope(cache.max_tokens, device)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self._memory_pool = torch.cuda.graph_pool_handle() if self.capture else None
+
+    @property
+    def captured_graphs(self) -> int:
+        return len(self.graphs)
+
+    def buckets(self, rows: int, longest: int) -> tuple[int, int]:
+        """(batch, slots) a step over `rows` rows whose longest holds `longest` keys runs at."""
+        return (bucket(rows, self.batch_buckets, self.cache.batch),
+                bucket(longest, self.slot_buckets, self.cache.max_tokens))
+
+    @torch.no_grad()
+    def __call__(self, tokens: list[int], view: KVCache, longest: int | None = None) -> Tensor:
+        """Logits [rows, 1, vocab] for `tokens[r]` fed to row r of `view` (the pool's first
+        rows); `view.lengths` advanced by one, as the model's forward does. `longest`: the most
+        keys a row holds after this step, when the caller knows it (else read from the
+        lengths: one host sync)."""
+        rows = len(tokens)
+        if rows != view.batch:
+            raise ValueError(f"{rows} tokens for a view of {view.batch} rows")
+        if longest is None:
+            longest = int(view.lengths.max()) + 1
+        if longest > self.cache.max_tokens:
+            raise ValueError(f"KV cache holds {self.cache.max_tokens} tokens; this step needs {longest}")
+        batch, slots = self.buckets(rows, longest)
+        self.tokens[:rows].copy_(torch.tensor(tokens, dtype=torch.long), non_blocking=True)
+        self.tokens[rows:batch].zero_()
+        self.positions[:rows].copy_(view.lengths)
+        self.positions[rows:batch].zero_()  # padding rows write slot 0 of a free row
+        logits = self._run(batch, slots)[:rows]
+        view.lengths = view.lengths + 1
+        return logits[:, None]
+
+    def _inputs(self, batch: int, slots: int) -> tuple:
+        keys = [k[:batch, :, :slots] for k in self.cache.keys]
+        values = [v[:batch, :, :slots] for v in self.cache.values]
+        return self.model, self.tokens[:batch], self.positions[:batch], self.rope, keys, values
+
+    def _run(self, batch: int, slots: int) -> Tensor:
+        if not self.capture:
+            return static_decode_logits(*self._inputs(batch, slots))
+        found = self.graphs.get((batch, slots))
+        if found is not None:
+            found[0].replay()
+            return found[1].clone()  # the graph's output buffer: the next replay overwrites it
+        return self._capture(batch, slots)
+
+    def _capture(self, batch: int, slots: int) -> Tensor:
+        graph, output, eager = capture_checked(static_decode_logits, self._inputs(batch, slots), self._memory_pool)
+        if graph is None:
+            log.warning("a CUDA Graph of the decode step (batch %d, %d slots) disagrees with the eager step; "
+                        "CUDA Graphs off for this engine", batch, slots)
+            self.capture = False
+            return eager
+        self.graphs[(batch, slots)] = (graph, output)
+        log.info("captured the decode step's CUDA Graph for batch %d, %d slots", batch, slots)
+        return output.clone()
+
+
+def capture_checked(step: Callable[..., Tensor], inputs: tuple, memory_pool: object
+                    ) -> tuple[torch.cuda.CUDAGraph | None, Tensor, Tensor]:
+    """(graph, its output buffer, the eager output) of `step(*inputs)` recorded as a CUDA Graph
+    and replayed once; graph None when the replay disagrees with the eager run. The step's
+    writes into caches are the same numbers each time, so running it eagerly, then replaying
+    it, leaves them as one step would."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream (lazy library init, workspaces)
+        for _ in range(2):
+            eager = step(*inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=memory_pool):
+        output = step(*inputs)
+    graph.replay()
+    tolerance = 1e-3 if output.dtype == torch.float32 else 3e-2  # 16-bit logits round at the 3rd digit
+    if not torch.allclose(output.float(), eager.float(), rtol=tolerance, atol=tolerance):
+        return None, output, eager
+    return graph, output, eager
