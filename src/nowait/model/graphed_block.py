@@ -105,6 +105,7 @@ class GraphedBlock:
         self.staging: Tensor | None = None  # [layers, 2, kv_heads, slots, head_dim], grown on demand
         self.rope = model.rope(model.config.max_position, self.device)
         self.graphs: dict[tuple[int, int, int], _Graph] = {}
+        # One pool for all the graphs, as `GraphedDecode`'s (outputs copied out at once).
         self._memory_pool = torch.cuda.graph_pool_handle() if self.capture else None
 
     @property

@@ -116,6 +116,9 @@ class GraphedDecode:
         # call would otherwise replace and free.
         self.rope = model.rope(cache.max_tokens, device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        # One memory pool for all the graphs, replayed in any order: safe because no graph reads
+        # memory it wrote in an earlier replay (its temporaries are written before they are read,
+        # and its output is copied out before another graph runs); the cache is outside the pool.
         self._memory_pool = torch.cuda.graph_pool_handle() if self.capture else None
 
     @property
