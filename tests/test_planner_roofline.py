@@ -184,3 +184,47 @@ def test_dual_blocks_refreshes_two_blocks_over_the_cache():
     dual = RecordingTimer()
     DiffusionServing(model=dual, cache="dual", block_width=32, tokens_per_forward=8).step_seconds(1, 500, 100)
     assert dual.calls[0] == (600, 0, 1)  # the whole context, nothing cached
+
+
+def test_log2_interpolation_is_linear_per_doubling_and_flat_outside():
+    from nowait.planner.hardware import interpolate_log2
+
+    points = {1: 0.1, 4: 0.3, 16: 0.9}
+    assert interpolate_log2(points, 1) == 0.1 and interpolate_log2(points, 0.5) == 0.1
+    assert interpolate_log2(points, 2) == pytest.approx(0.2)  # halfway from 1 to 4 in log2
+    assert interpolate_log2(points, 8) == pytest.approx(0.6)
+    assert interpolate_log2(points, 16) == 0.9 and interpolate_log2(points, 4096) == 0.9
+
+
+def test_a_measured_matmul_curve_and_read_bandwidth_set_the_planners_step_and_not_the_ideal():
+    """A host with a measured efficiency by width: a 32-row forward is timed at 32 rows'
+    efficiency, not the assumed 60%; its memory time at the read bandwidth; the pure roofline
+    keeps the peaks."""
+    from nowait.planner.hardware import Accelerator, host_node
+
+    base = dict(name="host", peak_tflops={"fp32": 0.1}, memory_bandwidth_tb_s=0.02, memory_gb=16)
+    plain = Accelerator(**base)
+    measured = Accelerator(**base, read_bandwidth_tb_s=0.025, gemm_efficiency={"fp32": {1: 0.1, 32: 0.3, 512: 0.9}})
+    shape = preset_model("llama-3.2-1b")
+    deployments = [Deployment(model=shape, accelerator=a, node=host_node(a), dtype="fp32") for a in (plain, measured)]
+    block = [forward_time(d, 32, 170, 1) for d in deployments]  # a diffusion block: compute-bound here
+    assert block[0].compute_s == pytest.approx(block[0].flops / (0.1e12 * 0.6))
+    assert block[1].compute_s == pytest.approx(block[1].flops / (0.1e12 * 0.3))
+    decode = [forward_time(d, 1, 250, 1) for d in deployments]  # weight-bound
+    assert decode[0].memory_s == pytest.approx(decode[0].bytes / (0.02e12 * 0.7))
+    assert decode[1].memory_s == pytest.approx(decode[1].bytes / (0.025e12 * 0.7))
+    ideal = forward_time(deployments[1].ideal(), 32, 170, 1)
+    assert ideal.compute_s == pytest.approx(ideal.flops / 0.1e12)
+    assert measured.compute_efficiency("bf16", 32) is None and plain.compute_efficiency("fp32", 32) is None
+    # A scenario may carry the curve as JSON does (row counts as strings)
+    again = Accelerator.model_validate_json(measured.model_dump_json())
+    assert again.gemm_efficiency == {"fp32": {1: 0.1, 32: 0.3, 512: 0.9}}
+
+
+def test_measure_host_measures_the_read_bandwidth_and_the_curve():
+    from nowait.planner.hardware import GEMM_ROWS, measure_host
+
+    host = measure_host(budget_s=0.3, threads=1)
+    assert host.read_bandwidth_tb_s > 0
+    curve = host.gemm_efficiency["fp32"]
+    assert sorted(curve) == list(GEMM_ROWS) and all(0 < v <= 1 for v in curve.values())

@@ -166,8 +166,12 @@ def register(app: typer.Typer) -> None:
                     print(json.dumps(host.model_dump(mode="json")))
                 else:
                     peaks = ", ".join(f"{v:g} TFLOP/s {k}" for k, v in host.peak_tflops.items())
-                    console.print(f"host: {peaks}; {host.memory_bandwidth_tb_s * 1000:.1f} GB/s memory bandwidth; "
-                                  f"{host.memory_gb:g} GB (measured in {took:.1f} s)", highlight=False)
+                    read = f", {host.read_bandwidth_tb_s * 1000:.1f} GB/s read" if host.read_bandwidth_tb_s else ""
+                    console.print(f"host: {peaks}; {host.memory_bandwidth_tb_s * 1000:.1f} GB/s memory bandwidth "
+                                  f"(copy){read}; {host.memory_gb:g} GB (measured in {took:.1f} s)", highlight=False)
+                    for dtype, curve in (host.gemm_efficiency or {}).items():
+                        widths = ", ".join(f"{rows}: {share:.0%}" for rows, share in curve.items())
+                        console.print(f"{dtype} matmul efficiency by rows: {widths}", highlight=False)
                     console.print("Plan on it with `nowait plan SCENARIO.yaml --measure-host` and "
                                   "`hardware: {node: host, price_usd_per_hour: 0}`, or paste into the scenario:",
                                   highlight=False)

@@ -7,6 +7,7 @@ can override every entry. `measure_host` adds this machine, measured with torch 
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from datetime import date
@@ -25,6 +26,14 @@ class Accelerator(BaseModel):
     memory_gb: float = Field(gt=0)
     source: str = "user-supplied"
     date: str = ""
+    read_bandwidth_tb_s: float | None = Field(None, gt=0, description="streaming-read bandwidth, where measured "
+                                                                      "apart from the copy's: a forward mostly "
+                                                                      "reads (its weights), so the roofline's "
+                                                                      "memory time uses it")
+    gemm_efficiency: dict[str, dict[int, float]] | None = Field(
+        None, description="per dtype, the fraction of its peak a matmul of that many rows reaches (measured: "
+                          "rows x n times n x n); the planner's compute efficiency at a forward's width, in "
+                          "place of the assumed one")
 
     def peak_flops(self, dtype: str) -> float:
         if dtype not in self.peak_tflops:
@@ -40,6 +49,32 @@ class Accelerator(BaseModel):
     @property
     def memory_bytes(self) -> float:
         return self.memory_gb * 1e9
+
+    @property
+    def stream_bandwidth(self) -> float:
+        """Bytes per second a forward's reads stream at: the measured read bandwidth where there
+        is one, else the datasheet's (or the copy's) figure."""
+        return (self.read_bandwidth_tb_s or self.memory_bandwidth_tb_s) * 1e12
+
+    def compute_efficiency(self, dtype: str, rows: float) -> float | None:
+        """The measured fraction of the `dtype` peak a matmul of `rows` rows reaches, or None
+        where none was measured."""
+        curve = (self.gemm_efficiency or {}).get(dtype)
+        return interpolate_log2(curve, rows) if curve else None
+
+
+# Linear in log2(x) between measured points, flat outside them: a matmul's efficiency rises with
+# its row count roughly per doubling (more rows reuse each loaded weight tile), then saturates.
+def interpolate_log2(points: dict[int, float], x: float) -> float:
+    xs = sorted(points)
+    if x <= xs[0]:
+        return points[xs[0]]
+    if x >= xs[-1]:
+        return points[xs[-1]]
+    upper = next(i for i, point in enumerate(xs) if point >= x)
+    low, high = xs[upper - 1], xs[upper]
+    share = (math.log2(x) - math.log2(low)) / (math.log2(high) - math.log2(low))
+    return points[low] + share * (points[high] - points[low])
 
 
 class Node(BaseModel):
@@ -107,11 +142,14 @@ def time_best(run, repeats: int, budget_s: float) -> float:
 
 
 def measure_host(budget_s: float = 3.0, threads: int | None = None) -> Accelerator:
-    """This machine as an accelerator: fp32/bf16 matmul peak and copy bandwidth, measured with torch.
+    """This machine as an accelerator: fp32/bf16 matmul peak, the fp32 matmul's efficiency by row
+    count, copy and read bandwidth, measured with torch.
 
-    A best-of-several square matmul gives the peak (2 n^3 FLOPs each); copying a tensor much larger
-    than the caches gives the bandwidth (each byte read once and written once). `budget_s` bounds
-    the whole measurement; the figures are lower bounds of what tuned kernels reach.
+    A best-of-several square matmul gives the peak (2 n^3 FLOPs each); narrower ones give the
+    efficiency curve (`gemm_efficiency_curve`); copying a tensor much larger than the caches gives
+    the bandwidth (each byte read once and written once), summing it the read bandwidth.
+    `budget_s` bounds the whole measurement; the figures are lower bounds of what tuned kernels
+    reach.
     """
     import torch
 
@@ -127,11 +165,18 @@ def measure_host(budget_s: float = 3.0, threads: int | None = None) -> Accelerat
             seconds = time_best(lambda a=a, b=b: a @ b, repeats=20, budget_s=share)
             # significant digits, not decimals: a slow bf16 path must not round to 0
             peaks[dtype_name] = float(f"{2 * n**3 / seconds / 1e12:.4g}")
+        # 32 MiB of fp32 weight at the full budget, beyond a server CPU's L2 and most L3 slices.
+        inner, outer = (2048, 4096) if budget_s >= 1 else (256, 512)
+        efficiency = {"fp32": gemm_efficiency_curve(inner, outer, peaks["fp32"] * 1e12, budget_s / 6)}
         elements = (64 if budget_s >= 1 else 8) * 2**20  # 256 MiB of fp32 at the full budget
         source, target = torch.ones(elements), torch.empty(elements)
         target.copy_(source)
-        seconds = time_best(lambda: target.copy_(source), repeats=10, budget_s=share)
+        seconds = time_best(lambda: target.copy_(source), repeats=10, budget_s=share / 2)
         bandwidth_tb_s = 2 * elements * 4 / seconds / 1e12
+        # A sum reads every byte once and writes nothing: the stream a weight-bound step reads at.
+        source.sum()
+        seconds = time_best(source.sum, repeats=10, budget_s=share / 2)
+        read_tb_s = elements * 4 / seconds / 1e12
     finally:
         torch.set_num_threads(previous_threads)
     try:
@@ -139,9 +184,31 @@ def measure_host(budget_s: float = 3.0, threads: int | None = None) -> Accelerat
     except (ValueError, OSError, AttributeError):
         memory_gb = 8.0
     return Accelerator(name="host", peak_tflops=peaks, memory_bandwidth_tb_s=float(f"{bandwidth_tb_s:.4g}"),
+                       read_bandwidth_tb_s=float(f"{read_tb_s:.4g}"), gemm_efficiency=efficiency,
                        memory_gb=round(memory_gb, 1),
                        source=f"measured by `nowait plan --measure-host` ({os.cpu_count()} CPU threads)",
                        date=date.today().isoformat())
+
+
+GEMM_ROWS = (1, 4, 16, 32, 64, 128, 256, 512)
+
+
+def gemm_efficiency_curve(inner: int, outer: int, peak_flops: float, budget_s: float) -> dict[int, float]:
+    """Rows -> the fraction of `peak_flops` (a square matmul's) that a rows x inner times inner x
+    outer fp32 matmul reaches, best of several within `budget_s` shared by the widths. A decode
+    step's matmuls have as many rows as the batch, a diffusion block's the block times the batch:
+    far from square. The weight should be larger than the CPU's caches, as a model's are: a
+    cached one makes narrow matmuls look as fast as square ones."""
+    import torch
+
+    weight = torch.randn(inner, outer)
+    curve: dict[int, float] = {}
+    for rows in GEMM_ROWS:
+        x = torch.randn(rows, inner)
+        x @ weight
+        seconds = time_best(lambda x=x: x @ weight, repeats=20, budget_s=budget_s / len(GEMM_ROWS))
+        curve[rows] = float(f"{min(1.0, 2 * rows * inner * outer / seconds / peak_flops):.3g}")
+    return curve
 
 
 def host_node(accelerator: Accelerator) -> Node:

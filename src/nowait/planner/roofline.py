@@ -162,11 +162,14 @@ class Efficiency:
     forward_overhead_s: float = 2e-3  # launches, sampling, scheduler: paid once per forward
     memory_reserved_fraction: float = 0.1  # activations, fragmentation, runtime context
     tensor_parallel_communication: bool = True
+    # An accelerator's measured matmul efficiency by width (`Accelerator.gemm_efficiency`), where it
+    # has one, replaces `compute`: measured beats assumed, and narrow matmuls fall far below it.
+    measured_compute: bool = True
 
 
 # The pure roofline: datasheet peaks, nothing else (the ceiling the report quotes beside the estimate).
 IDEAL = Efficiency(compute=1.0, memory=1.0, collective_latency_s=0.0, forward_overhead_s=0.0,
-                   tensor_parallel_communication=False)
+                   tensor_parallel_communication=False, measured_compute=False)
 
 
 @dataclass(frozen=True)
@@ -192,7 +195,12 @@ class Deployment:
 
     @property
     def group_bandwidth(self) -> float:
-        return self.accelerator.memory_bandwidth * self.tensor_parallel
+        return self.accelerator.stream_bandwidth * self.tensor_parallel
+
+    def compute_efficiency(self, rows: float) -> float:
+        """The fraction of the peak a forward whose matmuls have `rows` rows reaches."""
+        measured = self.accelerator.compute_efficiency(self.dtype, rows) if self.efficiency.measured_compute else None
+        return self.efficiency.compute if measured is None else measured
 
     def usable_memory_bytes(self) -> float:
         return self.accelerator.memory_bytes * self.tensor_parallel * (1 - self.efficiency.memory_reserved_fraction)
@@ -246,7 +254,7 @@ def forward_time(deployment: Deployment, new_tokens: float, cached_tokens: float
     """Seconds of one forward of `batch` sequences, each `new_tokens` over `cached_tokens` of cache."""
     d, e = deployment, deployment.efficiency
     cost = d.model.forward_cost(new_tokens, cached_tokens, batch, d.dtype_bytes)
-    compute_s = cost.flops / (d.group_peak_flops * e.compute)
+    compute_s = cost.flops / (d.group_peak_flops * d.compute_efficiency(new_tokens * batch))
     memory_s = cost.bytes / (d.group_bandwidth * e.memory)
     communication_s = 0.0
     if d.tensor_parallel > 1 and e.tensor_parallel_communication:
