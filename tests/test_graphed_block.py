@@ -52,7 +52,23 @@ def test_the_step_gives_the_forwards_logits_and_writes_the_same_cache(overrides,
             for e, s in zip(eager.keys + eager.values, static.keys + static.values, strict=True):
                 torch.testing.assert_close(s[:, :, : cached + length], e[:, :, : cached + length], atol=1e-5,
                                            rtol=1e-5)
-    assert {key[0] for key in graphed.graphs} >= {8, 16, 32, 140}  # span buckets, and the long span as it is
+    assert {key[0] for key in graphed.graphs} == {8, 16, 32, 256}  # power-of-two span buckets
+
+
+def test_a_span_past_the_last_bucket_and_no_reads_run_without_a_graph_entry():
+    from nowait.model.graphed_block import SPAN_BUCKETS
+
+    model = build_model(2, causal=False, max_position=2048)
+    graphed = GraphedBlock(model)
+    cache = empty_cache(model, 1, 2048)
+    with torch.inference_mode():
+        long = torch.arange(2, 2 + SPAN_BUCKETS[-1] + 5) % model.config.vocab_size
+        reads = torch.arange(3)[None]
+        expected = forward_spans(model, [long], [0], 0, empty_cache(model, 1, 2048), write=True, outputs=reads)
+        torch.testing.assert_close(graphed(long, 0, cache, reads), expected, atol=1e-4, rtol=1e-4)
+        assert not graphed.graphs and int(cache.lengths[0]) == len(long)
+        none = graphed(torch.arange(2, 6), int(cache.lengths[0]), cache, torch.zeros(1, 0, dtype=torch.long))
+        assert none.shape == (1, 0, model.config.vocab_size)
 
 
 def test_it_refuses_what_it_does_not_compute():

@@ -115,8 +115,15 @@ def test_an_engine_with_the_static_step_decodes_the_same_tokens(engine_model):
         if graphs:
             step = engine.runner.graphed
             assert step is not None and not step.capture
-            engine.runner.graphed = lambda tokens, view, longest: (steps.append(len(tokens))
-                                                                   or step(tokens, view, longest))
+
+            class Counted:
+                failed = False
+
+                def __call__(self, tokens, view, longest):
+                    steps.append(len(tokens))
+                    return step(tokens, view, longest)
+
+            engine.runner.graphed = Counted()
         reqs = [GenerationRequest(p, SamplingParams(max_tokens=24)) for p in prompts]
         done = engine.generate(reqs) if together else [engine.generate([r])[0] for r in reqs]
         return [c.token_ids for c in done]
@@ -127,6 +134,25 @@ def test_an_engine_with_the_static_step_decodes_the_same_tokens(engine_model):
     steps.clear()
     assert completions(True, together=True) == expected
     assert 3 in steps
+
+
+def test_a_failed_graph_hands_the_steps_back_to_the_models_forward(engine_model):
+    """`failed` (a capture that failed or disagreed, on a GPU) sends every later decode step to
+    the engine's own forward: the static step is not called again, the tokens stay the same."""
+    engine = AutoregressiveEngine(engine_model, end_id=END, config=EngineConfig(max_num_seqs=2, cuda_graphs=True))
+    request = GenerationRequest([3, 4, 5, 6], SamplingParams(max_tokens=12))
+    expected = engine.generate([request])[0].token_ids
+    engine.runner.graphed.failed = True
+    engine.runner.graphed.__class__ = type("Refusing", (GraphedDecode,), {"__call__": lambda *a: pytest.fail("called")})
+    assert engine.generate([request])[0].token_ids == expected
+
+
+def test_a_wrong_longest_is_refused_on_a_cpu():
+    model = build_model(0)
+    cache = KVCache(model.config, 2, 16)
+    cache.lengths.copy_(torch.tensor([3, 9]))
+    with pytest.raises(ValueError, match="a row holds 10 keys"):
+        GraphedDecode(model, cache)([1, 2], cache.view(0, 2), longest=5)
 
 
 def test_the_config_key_reaches_the_engine_and_is_off_on_a_cpu_by_default(engine_model):

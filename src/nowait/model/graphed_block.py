@@ -23,13 +23,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nowait.model.graphed_step import bucket, capture_checked, slot_buckets
+from nowait.model.graphed_step import bucket, capture_checked, graph_memory_pool, slot_buckets
 from nowait.model.kv_cache import KVCache
 from nowait.model.transformer import Transformer, apply_rotary, rms_norm
 
 log = logging.getLogger(__name__)
 
-SPAN_BUCKETS: tuple[int, ...] = (8, 16, 32, 64, 128)  # span tokens and read positions
+# Span tokens and read positions: a step's span is a block or less, a refresh's the whole window;
+# powers of two keep the graphs few (a span longer than the last is run eagerly as it is).
+SPAN_BUCKETS: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 def static_span_logits(model: Transformer, tokens: Tensor, positions: Tensor, rope: Tensor, keys: list[Tensor],
@@ -44,8 +46,13 @@ def static_span_logits(model: Transformer, tokens: Tensor, positions: Tensor, ro
     config = model.config
     heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
     length, slots = tokens.shape[0], keys[0].shape[1] if keys else 0
+    group = heads // kv_heads
     written = bounds[0] + torch.arange(length, device=tokens.device)
-    visible = (torch.arange(slots, device=tokens.device) < bounds[1])[None, None, None]  # [1, 1, 1, S]
+    # An additive mask over the slots, one for every query (the span attends as a whole): with a
+    # mask and grouped heads scaled_dot_product_attention copies the keys per query head, so the
+    # query heads sharing a key head are rows of one matrix product instead (as the AR decode's).
+    bias = torch.zeros(slots, dtype=torch.float32, device=tokens.device)
+    bias = bias.masked_fill_(torch.arange(slots, device=tokens.device) >= bounds[1], float("-inf"))
     table = rope[positions]  # [T, 2, D]
     cos, sin = table[:, 0:1], table[:, 1:2]
     x = F.embedding(tokens, model.embed_tokens.weight)  # [T, hidden]
@@ -61,9 +68,10 @@ def static_span_logits(model: Transformer, tokens: Tensor, positions: Tensor, ro
         if index == last:  # position-wise from here on: only the read rows
             q, x = q[outputs], x[outputs]
         rows = q.shape[0]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], layer_keys[None].to(q.dtype),
-                                             layer_values[None].to(q.dtype), attn_mask=visible, enable_gqa=True)
-        x = x + F.linear(out[0].transpose(0, 1).reshape(rows, heads * dim), attn.o_proj.weight)
+        grouped = q.transpose(0, 1).reshape(kv_heads, group * rows, dim)  # head h reads key head h // group
+        scores = torch.baddbmm(bias.to(q.dtype), grouped, layer_keys.to(q.dtype).transpose(1, 2), alpha=dim**-0.5)
+        out = torch.bmm(scores.softmax(-1), layer_values.to(q.dtype)).reshape(heads, rows, dim)
+        x = x + F.linear(out.transpose(0, 1).reshape(rows, heads * dim), attn.o_proj.weight)
         gate, up = F.linear(rms_norm(x, layer.post_attention_layernorm.weight, layer.eps),
                             mlp.gate_up_proj.weight).split(mlp.intermediate, dim=-1)
         x = x + F.linear(F.silu(gate) * up, mlp.down_proj.weight)
@@ -89,8 +97,9 @@ class GraphedBlock:
     Graph per (span bucket, read bucket, slot bucket), captured the first time it is needed.
 
     `capture`: record graphs (default: when the model is on a CUDA device); without, the same
-    static step runs eagerly. A graph whose first replay disagrees with the eager step turns
-    capture off (logged)."""
+    static step runs eagerly. When a graph's first replay disagrees with the eager step, or its
+    capture fails, that call returns the eager step's numbers and `failed` is set: the engine
+    then runs its own forward. A span or a read count past the last bucket runs eagerly."""
 
     def __init__(self, model: Transformer, capture: bool | None = None) -> None:
         if model.config.causal:
@@ -102,11 +111,13 @@ class GraphedBlock:
         if self.capture and self.device.type != "cuda":
             raise ValueError(f"CUDA Graphs need a CUDA device; this model is on {self.device}")
         self.dtype = weight.dtype
+        self.failed = False
         self.staging: Tensor | None = None  # [layers, 2, kv_heads, slots, head_dim], grown on demand
-        self.rope = model.rope(model.config.max_position, self.device)
+        # Room for a padded span past the last position, so the table is not regrown (which drops the graphs).
+        self.rope = model.rope(model.config.max_position + SPAN_BUCKETS[-1], self.device)
         self.graphs: dict[tuple[int, int, int], _Graph] = {}
         # One pool for all the graphs, as `GraphedDecode`'s (outputs copied out at once).
-        self._memory_pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self._memory_pool = graph_memory_pool(self.device) if self.capture else None
 
     @property
     def captured_graphs(self) -> int:
@@ -123,8 +134,11 @@ class GraphedBlock:
         cached, length, count = int(cache.lengths[0]), span.shape[0], outputs.shape[-1]
         if cached + length > cache.max_tokens:
             raise ValueError(f"KV cache holds {cache.max_tokens} tokens; this forward needs more")
-        span_bucket = bucket(length, SPAN_BUCKETS, max(length, SPAN_BUCKETS[-1]))
-        reads = bucket(count, SPAN_BUCKETS, max(count, SPAN_BUCKETS[-1]))
+        longest = SPAN_BUCKETS[-1]
+        if length > longest or count > longest:  # no bucket: this one forward eagerly, as it is
+            span_bucket, reads = length, max(count, 1)
+        else:
+            span_bucket, reads = bucket(length, SPAN_BUCKETS, longest), bucket(max(count, 1), SPAN_BUCKETS, longest)
         needed = cached + span_bucket
         limit = max(needed, self.model.config.max_position)
         slots = bucket(needed, slot_buckets(limit), limit)
@@ -134,15 +148,17 @@ class GraphedBlock:
         key = (span_bucket, reads, slots)
         entry = self.graphs.get(key)
         if entry is None:
-            entry = self.graphs[key] = _Graph(span_bucket, reads, self.device)
+            entry = _Graph(span_bucket, reads, self.device)
+            if span_bucket <= longest and reads <= longest:
+                self.graphs[key] = entry
         entry.tokens[:length] = span
         entry.tokens[length:] = span[-1]  # padding: any id, written past the real slots, never read
         entry.positions.copy_(torch.arange(start, start + span_bucket, device=self.device))
         read = outputs.reshape(-1)
         entry.outputs[:count] = read
-        entry.outputs[count:] = read[0]
+        entry.outputs[count:] = read[0] if count else 0
         entry.bounds[0], entry.bounds[1] = cached, cached + length
-        logits = self._run(entry, slots)[:count]
+        logits = self._run(entry, slots, graphed=key in self.graphs)[:count]
         self._unstage(cache, cached, length)
         cache.lengths = cache.lengths + length
         return logits[None]
@@ -182,19 +198,18 @@ class GraphedBlock:
         values = [staged[layer, 1] for layer in range(staged.shape[0])]
         return (self.model, entry.tokens, entry.positions, self.rope, keys, values, entry.outputs, entry.bounds)
 
-    def _run(self, entry: _Graph, slots: int) -> Tensor:
-        if not self.capture:
+    def _run(self, entry: _Graph, slots: int, graphed: bool) -> Tensor:
+        if not self.capture or not graphed:
             return static_span_logits(*self._inputs(entry, slots))
         if entry.graph is not None:
-            entry.graph.replay()
+            with torch.cuda.device(self.device):
+                entry.graph.replay()
             return entry.output.clone()  # the graph's output buffer: the next replay overwrites it
-        graph, output, eager = capture_checked(static_span_logits, self._inputs(entry, slots), self._memory_pool)
+        what = f"the block step ({entry.tokens.shape[0]} tokens, {entry.outputs.shape[0]} reads, {slots} slots)"
+        graph, output, eager = capture_checked(static_span_logits, self._inputs(entry, slots), self._memory_pool,
+                                               self.device, what)
         if graph is None:
-            log.warning("a CUDA Graph of the block step (%d tokens, %d slots) disagrees with the eager step; "
-                        "CUDA Graphs off for this engine", entry.tokens.shape[0], slots)
-            self.capture = False
+            self.failed = True
             return eager
         entry.graph, entry.output = graph, output
-        log.info("captured the block step's CUDA Graph for %d tokens, %d reads, %d slots", entry.tokens.shape[0],
-                 entry.outputs.shape[0], slots)
         return output.clone()

@@ -20,12 +20,14 @@ launch cost to save, and the padded shapes only add work).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from nowait.model.attention import ragged_decode_attention
 from nowait.model.kv_cache import KVCache
 from nowait.model.transformer import Transformer, apply_rotary, rms_norm
 
@@ -65,7 +67,12 @@ def static_decode_logits(model: Transformer, tokens: Tensor, positions: Tensor, 
     heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
     batch, slots = tokens.shape[0], keys[0].shape[2] if keys else 0
     rows = torch.arange(batch, device=tokens.device)
-    visible = (torch.arange(slots, device=tokens.device)[None] <= positions[:, None])[:, None, None]  # [B,1,1,S]
+    # An additive mask [B * kv_heads, group, S] for `ragged_decode_attention`, the eager decode's
+    # kernel: scaled_dot_product_attention with a mask and grouped heads copies the keys and values
+    # per query head (no fused kernel takes both), which at 64 rows was most of a step.
+    visible = torch.arange(slots, device=tokens.device)[None] <= positions[:, None]  # [B, S]
+    bias = torch.zeros(visible.shape, dtype=torch.float32, device=tokens.device).masked_fill_(~visible, float("-inf"))
+    bias = bias[:, None, None].expand(batch, kv_heads, heads // kv_heads, slots).reshape(-1, heads // kv_heads, slots)
     table = rope[positions][:, None]  # [B, 1, 2, D]: each row's cos and signed sin
     cos, sin = table[..., 0:1, :], table[..., 1:2, :]
     x = F.embedding(tokens, model.embed_tokens.weight)  # [B, hidden]
@@ -77,9 +84,8 @@ def static_decode_logits(model: Transformer, tokens: Tensor, positions: Tensor, 
         # keys[rows, :, positions] is [B, kv_heads, D]: the advanced indices' dimension first.
         layer_keys[rows, :, positions] = qk[:, heads:].to(layer_keys.dtype)
         layer_values[rows, :, positions] = qkv[:, 0, heads + kv_heads:].to(layer_values.dtype)
-        q = qk[:, :heads, None]  # [B, heads, 1, D]
-        out = F.scaled_dot_product_attention(q, layer_keys.to(q.dtype), layer_values.to(q.dtype),
-                                             attn_mask=visible, enable_gqa=True)
+        q = qk[:, None, :heads]  # [B, 1, heads, D]
+        out = ragged_decode_attention(q, layer_keys.to(q.dtype), layer_values.to(q.dtype), bias)
         x = x + F.linear(out.reshape(batch, heads * dim), attn.o_proj.weight)
         gate, up = F.linear(rms_norm(x, layer.post_attention_layernorm.weight, layer.eps),
                             mlp.gate_up_proj.weight).split(mlp.intermediate, dim=-1)
@@ -92,10 +98,10 @@ class GraphedDecode:
     (batch bucket, slot bucket), captured the first time that pair is needed.
 
     `capture`: record graphs (default: when the cache is on a CUDA device). Without, each call
-    runs `static_decode_logits` eagerly on the same buckets: the fallback, and what the CPU
-    tests compare. Each new graph's first replay is checked against an eager run of the same
-    step on the same inputs; a graph that disagrees turns capture off (logged) rather than
-    serve numbers no test has seen."""
+    runs `static_decode_logits` eagerly on the same buckets: what the CPU tests compare. Each
+    new graph's first replay is checked against an eager run of the same step on the same
+    inputs; when it disagrees, or the capture fails, that call returns the eager step's numbers
+    and `failed` is set: the engine then runs its own forward (`ModelRunner.forward_rows`)."""
 
     def __init__(self, model: Transformer, cache: KVCache, capture: bool | None = None,
                  batch_buckets: Sequence[int] = BATCH_BUCKETS) -> None:
@@ -104,9 +110,11 @@ class GraphedDecode:
         device = cache.keys[0].device if cache.keys else cache.lengths.device
         self.model = model
         self.cache = cache
+        self.device = device
         self.capture = device.type == "cuda" if capture is None else capture
         if self.capture and device.type != "cuda":
             raise ValueError(f"CUDA Graphs need a CUDA device; this cache is on {device}")
+        self.failed = False
         self.batch_buckets = tuple(batch_buckets)
         self.slot_buckets = slot_buckets(cache.max_tokens)
         # Inputs every replay reads: written in place before each one.
@@ -119,7 +127,7 @@ class GraphedDecode:
         # One memory pool for all the graphs, replayed in any order: safe because no graph reads
         # memory it wrote in an earlier replay (its temporaries are written before they are read,
         # and its output is copied out before another graph runs); the cache is outside the pool.
-        self._memory_pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self._memory_pool = graph_memory_pool(device) if self.capture else None
 
     @property
     def captured_graphs(self) -> int:
@@ -135,12 +143,16 @@ class GraphedDecode:
         """Logits [rows, 1, vocab] for `tokens[r]` fed to row r of `view` (the pool's first
         rows); `view.lengths` advanced by one, as the model's forward does. `longest`: the most
         keys a row holds after this step, when the caller knows it (else read from the
-        lengths: one host sync)."""
+        lengths: one host sync). It must be right: a slot bucket too small for a row would
+        write past it (checked here on a CPU, where the check costs no sync)."""
         rows = len(tokens)
         if rows != view.batch:
             raise ValueError(f"{rows} tokens for a view of {view.batch} rows")
-        if longest is None:
-            longest = int(view.lengths.max()) + 1
+        if longest is None or self.device.type == "cpu":
+            actual = int(view.lengths.max()) + 1
+            if longest is not None and longest < actual:
+                raise ValueError(f"longest is {longest}; a row holds {actual} keys after this step")
+            longest = actual
         if longest > self.cache.max_tokens:
             raise ValueError(f"KV cache holds {self.cache.max_tokens} tokens; this step needs {longest}")
         batch, slots = self.buckets(rows, longest)
@@ -162,39 +174,59 @@ class GraphedDecode:
             return static_decode_logits(*self._inputs(batch, slots))
         found = self.graphs.get((batch, slots))
         if found is not None:
-            found[0].replay()
+            with torch.cuda.device(self.device):
+                found[0].replay()
             return found[1].clone()  # the graph's output buffer: the next replay overwrites it
-        return self._capture(batch, slots)
-
-    def _capture(self, batch: int, slots: int) -> Tensor:
-        graph, output, eager = capture_checked(static_decode_logits, self._inputs(batch, slots), self._memory_pool)
+        graph, output, eager = capture_checked(static_decode_logits, self._inputs(batch, slots), self._memory_pool,
+                                               self.device, f"the decode step (batch {batch}, {slots} slots)")
         if graph is None:
-            log.warning("a CUDA Graph of the decode step (batch %d, %d slots) disagrees with the eager step; "
-                        "CUDA Graphs off for this engine", batch, slots)
-            self.capture = False
+            self.failed = True
             return eager
         self.graphs[(batch, slots)] = (graph, output)
-        log.info("captured the decode step's CUDA Graph for batch %d, %d slots", batch, slots)
         return output.clone()
 
 
-def capture_checked(step: Callable[..., Tensor], inputs: tuple, memory_pool: object
-                    ) -> tuple[torch.cuda.CUDAGraph | None, Tensor, Tensor]:
+# One capture at a time in the process: a capture in one engine's thread while another thread
+# captures too would record into the wrong graph.
+_CAPTURE_LOCK = threading.Lock()
+
+
+def graph_memory_pool(device: torch.device) -> object:
+    with torch.cuda.device(device):
+        return torch.cuda.graph_pool_handle()
+
+
+def capture_checked(step: Callable[..., Tensor], inputs: tuple, memory_pool: object, device: torch.device,
+                    what: str) -> tuple[torch.cuda.CUDAGraph | None, Tensor, Tensor]:
     """(graph, its output buffer, the eager output) of `step(*inputs)` recorded as a CUDA Graph
-    and replayed once; graph None when the replay disagrees with the eager run. The step's
-    writes into caches are the same numbers each time, so running it eagerly, then replaying
-    it, leaves them as one step would."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture stream (lazy library init, workspaces)
-        for _ in range(2):
-            eager = step(*inputs)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=memory_pool):
-        output = step(*inputs)
-    graph.replay()
-    tolerance = 1e-3 if output.dtype == torch.float32 else 3e-2  # 16-bit logits round at the 3rd digit
-    if not torch.allclose(output.float(), eager.float(), rtol=tolerance, atol=tolerance):
-        return None, output, eager
-    return graph, output, eager
+    on `device` and replayed once; graph None (logged) when the capture fails or the replay
+    disagrees with the eager run. The step's writes into caches are the same numbers each time,
+    so running it eagerly, then replaying it, leaves them as one step would.
+
+    The capture runs in `thread_local` mode: the gateway drives each engine from its own
+    thread, and in the default (global) mode another engine's allocation or sync during the
+    capture would fail it. The output buffer is filled with NaN before the checking replay, so
+    a graph that recorded nothing (a capture on another device than the tensors') fails the
+    check instead of returning the eager run's numbers left in the buffer."""
+    with _CAPTURE_LOCK, torch.cuda.device(device):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture stream (lazy library init, workspaces)
+            for _ in range(2):
+                eager = step(*inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=memory_pool, capture_error_mode="thread_local"):
+                output = step(*inputs)
+            output.fill_(float("nan"))
+            graph.replay()
+        except RuntimeError as error:
+            log.warning("capturing %s as a CUDA Graph failed (%s); the engine runs it eagerly", what, error)
+            return None, eager, eager
+        tolerance = 1e-3 if output.dtype == torch.float32 else 3e-2  # 16-bit logits round at the 3rd digit
+        if not torch.allclose(output.float(), eager.float(), rtol=tolerance, atol=tolerance):
+            log.warning("a CUDA Graph of %s disagrees with the eager step; the engine runs it eagerly", what)
+            return None, output, eager
+        log.info("captured %s as a CUDA Graph", what)
+        return graph, output, eager

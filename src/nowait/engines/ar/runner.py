@@ -178,7 +178,7 @@ class ModelRunner:
         (the graphed step then needs no host read of the lengths).
         """
         view = self.pool.view(self.index)
-        if self.graphed is not None and all(len(t) == 1 for t in tokens):
+        if self.graphed is not None and not self.graphed.failed and all(len(t) == 1 for t in tokens):
             logits = self.graphed([t[0] for t in tokens], view, longest)
             self.pool.commit_view(view, self.index)
             return logits

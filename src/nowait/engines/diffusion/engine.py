@@ -290,8 +290,8 @@ class _Scheduler:
                  isolated_prefix: int = 0) -> torch.Tensor:
         """`forward_spans`, or the compiled block step where it computes the same: one row
         writing a span of two tokens or more, nothing isolated (the real-time path's steps)."""
-        if (self.compiled is not None and write and not isolated_prefix and len(spans) == 1 and cache is not None
-                and cache.batch == 1 and len(spans[0]) > 1):
+        if (self.compiled is not None and not getattr(self.compiled, "failed", False) and write and not isolated_prefix
+                and len(spans) == 1 and cache is not None and cache.batch == 1 and len(spans[0]) > 1):
             return self.compiled(spans[0], starts[0], cache, outputs)
         return forward_spans(self.model, spans, starts, self.pad_id, cache, write=write, outputs=outputs,
                              isolated_prefix=isolated_prefix)
