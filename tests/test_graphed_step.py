@@ -147,6 +147,16 @@ def test_a_failed_graph_hands_the_steps_back_to_the_models_forward(engine_model)
     assert engine.generate([request])[0].token_ids == expected
 
 
+def test_warm_up_runs_every_bucket_the_pool_allows_and_writes_only_slot_0():
+    model = build_model(2)
+    cache = KVCache(model.config, 5, 100)  # batch buckets 1, 2, 4 and the pool's 5; slots 64 and 100
+    graphed = GraphedDecode(model, cache)
+    assert graphed.warm_up() == 4 * 2
+    for keys in cache.keys:
+        assert keys[:, :, 0].abs().sum() > 0 and not keys[:, :, 1:].any()
+    assert not cache.lengths.any()
+
+
 def test_a_wrong_longest_is_refused_on_a_cpu():
     model = build_model(0)
     cache = KVCache(model.config, 2, 16)

@@ -133,6 +133,21 @@ class GraphedDecode:
     def captured_graphs(self) -> int:
         return len(self.graphs)
 
+    @torch.no_grad()
+    def warm_up(self) -> int:
+        """Run (on CUDA: capture) the step at every bucket the cache allows, before any request
+        does: a capture on first use costs that request a warm-up and a synchronize. Only for
+        a pool no sequence holds yet: every bucket's rows write slot 0. Returns the buckets run."""
+        batches = sorted({bucket(b, self.batch_buckets, self.cache.batch) for b in range(1, self.cache.batch + 1)})
+        self.tokens.zero_()
+        self.positions.zero_()
+        for batch in batches:
+            for slots in self.slot_buckets:
+                if self.failed:
+                    return 0
+                self._run(batch, slots)
+        return len(batches) * len(self.slot_buckets)
+
     def buckets(self, rows: int, longest: int) -> tuple[int, int]:
         """(batch, slots) a step over `rows` rows whose longest holds `longest` keys runs at."""
         return (bucket(rows, self.batch_buckets, self.cache.batch),

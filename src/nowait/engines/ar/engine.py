@@ -186,7 +186,12 @@ class AutoregressiveEngine:
         the device say so."""
         on_cuda = model.output_weight().device.type == "cuda"
         wanted = on_cuda if self.config.cuda_graphs is None else self.config.cuda_graphs
-        return GraphedDecode(model, self.pool.caches[index], capture=on_cuda) if wanted else None
+        if not wanted:
+            return None
+        graphed = GraphedDecode(model, self.pool.caches[index], capture=on_cuda)
+        if on_cuda:  # capture every bucket now, as vLLM does at startup, not in a request's time
+            graphed.warm_up()
+        return graphed
 
     # --- hooks the speculative engine overrides ---
 
