@@ -75,9 +75,9 @@ def test_the_graphed_steps_time_the_cases_they_run_and_no_others():
     tiny.__post_init__()
     model = build_model(tiny)
     for case in (StepCase("ar-decode-b3", 3, 1, 20, True, 1.0), StepCase("diffusion-block8-b1", 1, 8, 16, False, 2.0)):
-        assert shapes.time_graphed_step(model, case, budget_s=0.02) > 0
-    assert shapes.time_graphed_step(model, StepCase("diffusion-block8-b2", 2, 8, 16, False, 2.0)) is None
-    assert shapes.time_graphed_step(model, StepCase("prefill", 1, 8, 0, True, 1.0)) is None
+        assert shapes.time_step(model, case, budget_s=0.02, graphed=True) > 0
+    assert shapes.time_step(model, StepCase("diffusion-block8-b2", 2, 8, 16, False, 2.0), graphed=True) is None
+    assert shapes.time_step(model, StepCase("prefill", 1, 8, 0, True, 1.0), graphed=True) is None
     assert model.config.causal
 
 

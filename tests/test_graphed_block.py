@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nowait.engines.base import GenerationRequest, SamplingParams
 from nowait.engines.config import DiffusionEngineConfig
 from nowait.engines.diffusion.cache import empty_cache, forward_spans
 from nowait.engines.diffusion.engine import DiffusionEngine
@@ -15,6 +14,7 @@ from nowait.engines.factory import EngineModel, engine_from
 from nowait.model import KVCache
 from nowait.model.graphed_block import GraphedBlock
 from tests.conftest import build_model
+from tests.test_compiled_block import decode
 
 # (cached slots, span tokens, read offsets): a dual-cache step, a refresh, a one-position step,
 # a span over an empty cache, reads not at the span's end, a span longer than the largest bucket.
@@ -90,14 +90,6 @@ def test_it_refuses_what_it_does_not_compute():
 @pytest.fixture(scope="module")
 def diffusion(codec):
     return build_model(6, vocab_size=codec.vocab_size, causal=False, logits_shift=True, mask_token_id=codec.mask_id)
-
-
-def decode(engine: DiffusionEngine, codec, together: bool) -> list[tuple[list[int], list[float], int]]:
-    prompts = ["Extract the fields.", "Invoice 1234 from ACME, total 99.50 EUR due 2026-01-05.", "Name: Ada"]
-    requests = [GenerationRequest(codec.encode(p), SamplingParams(max_tokens=20), options={"tau": tau, "block": 8})
-                for p in prompts for tau in (0.3, 0.999)]
-    done = engine.generate(requests) if together else [engine.generate([r])[0] for r in requests]
-    return [(c.token_ids, c.token_confidences, c.forwards) for c in done]
 
 
 def test_an_engine_with_the_static_step_decodes_the_same_tokens(diffusion, codec):

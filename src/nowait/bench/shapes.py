@@ -123,11 +123,21 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def time_step(model: Transformer, case: StepCase, budget_s: float = 1.0, device: str = "cpu",
-              repeats: int = 50) -> float:
+              repeats: int = 50, graphed: bool = False) -> float | None:
     """Fastest of the repeated forwards of `case` (after one warm-up), the cache refilled to the
-    same length each time. The model's attention is switched to the case's kind for the run."""
+    same length each time. The model's attention is switched to the case's kind for the run.
+
+    `graphed`: through the engines' static-shape steps instead, which a CUDA device replays as
+    CUDA Graphs (`nowait.model.graphed_step`, `graphed_block`): AR decode at any batch, a
+    diffusion block at batch 1 (the engine graphs one request's steps); None for another case.
+    On a CPU the same steps run eagerly (nothing to replay)."""
+    from nowait.model.graphed_block import GraphedBlock
+    from nowait.model.graphed_step import GraphedDecode
+
+    if graphed and ((case.causal and case.new_tokens != 1) or (not case.causal and case.batch != 1)):
+        return None
     config = model.config
     causal, config.causal = config.causal, case.causal
     try:
@@ -139,49 +149,23 @@ def time_step(model: Transformer, case: StepCase, budget_s: float = 1.0, device:
         # rather than prefilled (a prefill of 64 x 250 tokens of an 8B shape would take minutes on a CPU).
         filled = torch.full_like(cache.lengths, case.cached_tokens)
         cache.lengths = filled.clone()
+        if not graphed:
+            def forward() -> None:
+                model(ids, cache, write_cache=case.causal)
+        elif case.causal:
+            decode, tokens = GraphedDecode(model, cache), ids[:, 0].tolist()
 
-        def step() -> None:
-            model(ids, cache, write_cache=case.causal)
-            cache.lengths = filled.clone()
-
-        return best_time(step, device, budget_s, repeats)
-    finally:
-        config.causal = causal
-
-
-@torch.inference_mode()
-def time_graphed_step(model: Transformer, case: StepCase, budget_s: float = 1.0, device: str = "cpu",
-                      repeats: int = 50) -> float | None:
-    """`time_step` through the engines' static-shape steps, which a CUDA device replays as CUDA
-    Graphs (`nowait.model.graphed_step`, `graphed_block`): AR decode at any batch, a diffusion
-    block at batch 1 (the engine graphs one request's steps). None for another case. On a CPU
-    the same steps run eagerly (nothing to replay)."""
-    from nowait.model.graphed_block import GraphedBlock
-    from nowait.model.graphed_step import GraphedDecode
-
-    if (case.causal and case.new_tokens != 1) or (not case.causal and case.batch != 1):
-        return None
-    config = model.config
-    causal, config.causal = config.causal, case.causal
-    try:
-        generator = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, config.vocab_size, (case.batch, case.new_tokens), generator=generator).to(device)
-        cache = KVCache(config, case.batch, case.cached_tokens + case.new_tokens,
-                        dtype=model.output_weight().dtype, device=device)
-        filled = torch.full_like(cache.lengths, case.cached_tokens)  # declared filled, as in `time_step`
-        cache.lengths = filled.clone()
-        if case.causal:
-            graphed, tokens = GraphedDecode(model, cache), ids[:, 0].tolist()
-
-            def step() -> None:
-                graphed(tokens, cache, case.cached_tokens + 1)
-                cache.lengths = filled.clone()
+            def forward() -> None:
+                decode(tokens, cache, case.cached_tokens + 1)
         else:
             block, span, reads = GraphedBlock(model), ids[0], torch.arange(case.new_tokens, device=device)[None]
 
-            def step() -> None:
+            def forward() -> None:
                 block(span, case.cached_tokens, cache, reads)
-                cache.lengths = filled.clone()
+
+        def step() -> None:
+            forward()
+            cache.lengths = filled.clone()
 
         return best_time(step, device, budget_s, repeats)
     finally:
@@ -252,7 +236,7 @@ def measure_shape(name: str, cases: list[StepCase], dtype: str = "fp32", device:
         cost = config.forward_cost(case.new_tokens, case.cached_tokens, case.batch, dtype_bytes)
         result = case_result(case, seconds, cost, predicted(config, accelerator, dtype, case), peak, bandwidth)
         # On a GPU, the engines' step as they run it there (CUDA Graphs), beside the eager forward.
-        graphed = time_graphed_step(model, case, budget_s, device) if device.startswith("cuda") else None
+        graphed = time_step(model, case, budget_s, device, graphed=True) if device.startswith("cuda") else None
         if graphed is not None:
             result.update({"cuda_graph_seconds": graphed, "cuda_graph_speedup": seconds / graphed})
         results.append(result)

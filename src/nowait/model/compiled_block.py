@@ -28,7 +28,7 @@ from torch import Tensor
 
 from nowait.model.compiled_step import compile_for_one_model
 from nowait.model.kv_cache import KVCache
-from nowait.model.transformer import Transformer, apply_rotary, rms_norm
+from nowait.model.transformer import Transformer, apply_rotary, mlp_residual, rms_norm
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def span_logits(model: Transformer, tokens: Tensor, positions: Tensor, rope: Ten
     x = F.embedding(tokens, model.embed_tokens.weight)  # [T, hidden]
     last = len(model.layers) - 1
     for index, (layer, layer_keys, layer_values) in enumerate(zip(model.layers, keys, values, strict=True)):
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
         qkv = F.linear(rms_norm(x, layer.input_layernorm.weight, layer.eps), attn.qkv_proj.weight,
                        attn.qkv_proj.bias).view(length, heads + 2 * kv_heads, dim)
         qk = apply_rotary(qkv[:, : heads + kv_heads], cos, sin)  # [T, heads + kv_heads, D]
@@ -66,9 +66,7 @@ def span_logits(model: Transformer, tokens: Tensor, positions: Tensor, rope: Ten
                                              layer_values[None].to(q.dtype), enable_gqa=True)
         out = out[0].transpose(0, 1).reshape(rows, heads * dim)
         x = x + F.linear(out, attn.o_proj.weight)
-        gate, up = F.linear(rms_norm(x, layer.post_attention_layernorm.weight, layer.eps),
-                            mlp.gate_up_proj.weight).split(mlp.intermediate, dim=-1)
-        x = x + F.linear(F.silu(gate) * up, mlp.down_proj.weight)
+        x = mlp_residual(layer, x)
     if not model.layers:
         x = x[outputs]
     return F.linear(model.norm(x), model.output_weight())

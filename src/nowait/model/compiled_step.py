@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nowait.model.kv_cache import KVCache
-from nowait.model.transformer import Transformer, apply_rotary, rms_norm
+from nowait.model.transformer import Transformer, apply_rotary, mlp_residual, rms_norm
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def one_token_logits(model: Transformer, token: Tensor, position: Tensor, rope: 
     cos, sin = table[..., 0:1, :], table[..., 1:2, :]
     x = F.embedding(token, model.embed_tokens.weight)  # [1, hidden]
     for layer, layer_keys, layer_values in zip(model.layers, keys, values, strict=True):
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
         qkv = F.linear(rms_norm(x, layer.input_layernorm.weight, layer.eps), attn.qkv_proj.weight,
                        attn.qkv_proj.bias).view(1, 1, heads + 2 * kv_heads, dim)
         qk = apply_rotary(qkv[:, :, : heads + kv_heads], cos, sin)[0, 0]  # [heads + kv_heads, D]
@@ -55,9 +55,7 @@ def one_token_logits(model: Transformer, token: Tensor, position: Tensor, rope: 
         scores = torch.bmm(grouped, layer_keys.to(grouped.dtype).transpose(1, 2)) * dim**-0.5
         out = torch.bmm(scores.softmax(-1), layer_values.to(grouped.dtype)).reshape(1, heads * dim)
         x = x + F.linear(out, attn.o_proj.weight)
-        gate, up = F.linear(rms_norm(x, layer.post_attention_layernorm.weight, layer.eps),
-                            mlp.gate_up_proj.weight).split(mlp.intermediate, dim=-1)
-        x = x + F.linear(F.silu(gate) * up, mlp.down_proj.weight)
+        x = mlp_residual(layer, x)
     return F.linear(model.norm(x), model.output_weight())
 
 

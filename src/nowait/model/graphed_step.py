@@ -29,7 +29,7 @@ from torch import Tensor
 
 from nowait.model.attention import ragged_decode_attention
 from nowait.model.kv_cache import KVCache
-from nowait.model.transformer import Transformer, apply_rotary, rms_norm
+from nowait.model.transformer import Transformer, apply_rotary, mlp_residual, rms_norm
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def static_decode_logits(model: Transformer, tokens: Tensor, positions: Tensor, 
     cos, sin = table[..., 0:1, :], table[..., 1:2, :]
     x = F.embedding(tokens, model.embed_tokens.weight)  # [B, hidden]
     for layer, layer_keys, layer_values in zip(model.layers, keys, values, strict=True):
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
         qkv = F.linear(rms_norm(x, layer.input_layernorm.weight, layer.eps), attn.qkv_proj.weight,
                        attn.qkv_proj.bias).view(batch, 1, heads + 2 * kv_heads, dim)
         qk = apply_rotary(qkv[:, :, : heads + kv_heads], cos, sin)[:, 0]  # [B, heads + kv_heads, D]
@@ -87,9 +87,7 @@ def static_decode_logits(model: Transformer, tokens: Tensor, positions: Tensor, 
         q = qk[:, None, :heads]  # [B, 1, heads, D]
         out = ragged_decode_attention(q, layer_keys.to(q.dtype), layer_values.to(q.dtype), bias)
         x = x + F.linear(out.reshape(batch, heads * dim), attn.o_proj.weight)
-        gate, up = F.linear(rms_norm(x, layer.post_attention_layernorm.weight, layer.eps),
-                            mlp.gate_up_proj.weight).split(mlp.intermediate, dim=-1)
-        x = x + F.linear(F.silu(gate) * up, mlp.down_proj.weight)
+        x = mlp_residual(layer, x)
     return F.linear(model.norm(x), model.output_weight())
 
 

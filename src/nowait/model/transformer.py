@@ -224,6 +224,15 @@ class Block(nn.Module):
         return out.add_(x) if inference else x + out
 
 
+def mlp_residual(layer: Block, x: Tensor) -> Tensor:
+    """x plus the layer's SwiGLU of its post-attention norm: the second half of `Block.forward`,
+    out of place, for the steps written for the compiler and for CUDA Graphs."""
+    mlp = layer.mlp
+    gate, up = F.linear(rms_norm(x, layer.post_attention_layernorm.weight, layer.eps),
+                        mlp.gate_up_proj.weight).split(mlp.intermediate, dim=-1)
+    return x + F.linear(F.silu(gate) * up, mlp.down_proj.weight)
+
+
 class Transformer(nn.Module):
     """Parameter names follow Hugging Face Llama (`model.layers.0.self_attn.q_proj.weight`)
     minus the `model.` prefix, so checkpoints map by a prefix alone: the state dict reads and
