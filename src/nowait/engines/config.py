@@ -90,8 +90,9 @@ class ArEngineConfig(OwnedEngineConfig):
     compile: bool = Field(False, description="run a step that feeds one token to one sequence as a compiled graph "
                                              "(torch.compile; compiled when the engine starts, seconds to a minute)")
     cuda_graphs: bool | None = Field(None, description="replay decode steps (one token to every running sequence) "
-                                                       "as CUDA Graphs, captured per batch and key-length bucket on "
-                                                       "first use; null: on when the model is on a CUDA device")
+                                                       "as CUDA Graphs, one per batch and key-length bucket, captured "
+                                                       "when the engine starts; null: on when the model is on a CUDA "
+                                                       "device")
 
     @model_validator(mode="after")
     def _token_cap_holds_a_batch(self) -> ArEngineConfig:

@@ -100,7 +100,8 @@ class EngineConfig:
     `compile_decode`: a step that feeds one token to one sequence runs a compiled graph
     (`nowait.model.compiled_step`), compiled when the engine is built (seconds to a minute).
     `cuda_graphs`: decode steps (every running row fed one token) replay CUDA Graphs
-    (`nowait.model.graphed_step`), captured per batch and key-length bucket on first use; None
+    (`nowait.model.graphed_step`), one per batch and key-length bucket, all captured when the
+    engine is built; None
     (default) turns them on when the model is on a CUDA device. True on a CPU runs the same
     static-shape step eagerly (tests use it; it only adds padded work there).
     """
