@@ -177,3 +177,18 @@ def test_all_legal_says_exactly_when_one_by_one_keeps_every_pick():
                 conflicts += not kept
                 disagreements += RowState._all_legal(automaton, list(assigned), picks) != kept
     assert conflicts and not disagreements
+
+
+def test_settled_facts_read_the_block_and_the_early_stop_at_once():
+    from nowait.engines.diffusion.row import settled_facts
+
+    t, f = True, False
+    masked = torch.tensor([f, f, t, t, f, f])
+    ends = torch.tensor([f, f, f, f, t, t])
+    assert settled_facts(masked, 0, 2, ends) == (False, False)  # block done; masked before the first end
+    assert settled_facts(masked, 2, 4, ends) == (True, False)
+    assert settled_facts(masked, 2, 4, None) == (True, False)  # templates: no early stop
+    early = torch.tensor([f, t, f, f, f, f])  # an end at 1: only position 0 counts, and it is set
+    assert settled_facts(masked, 2, 4, early) == (True, True)
+    assert settled_facts(masked, 0, 2, torch.zeros(6, dtype=torch.bool)) == (False, False)  # no end at all
+    assert settled_facts(torch.zeros(6, dtype=torch.bool), 0, 6, ends) == (False, True)

@@ -35,6 +35,19 @@ from nowait.model import KVCache
 from nowait.tokenizer import TextCodec
 
 
+def settled_facts(masked: Tensor, lo: int, hi: int, ends: Tensor | None) -> tuple[bool, bool]:
+    """(whether window positions [lo, hi) are still masked, whether the answer is settled: an
+    end token committed at some position with nothing masked before the first one), read from
+    the device at once. `masked`, `ends` [window] bool; `ends` None: no early stop (templates)."""
+    block_open = masked[lo:hi].any()
+    if ends is None:
+        return bool(block_open), False
+    before_first_end = torch.arange(masked.shape[0], device=masked.device) < ends.int().argmax()
+    stopped = ends.any() & ~(masked & before_first_end).any()
+    block_open, stopped = torch.stack([block_open, stopped]).tolist()
+    return block_open, stopped
+
+
 class RowState:
     def __init__(self, plan: DecodePlan, index: int, shift: bool, mask_id: int, device: torch.device) -> None:
         self.plan, self.index, self.mask_id = plan, index, mask_id
@@ -195,7 +208,9 @@ class RowState:
         cache.lengths[row] = written_at
         if not self.caches_decoded:
             return
-        moving = self._masked(*self.block).nonzero().flatten().tolist() + committed_now.tolist()
+        moving_mask = self._masked(*self.block)
+        moving_mask[committed_now] = True  # one read of both (their order does not matter: min and max)
+        moving = moving_mask.nonzero().flatten().tolist()
         if not moving:
             return  # the block is complete; its refresh recomputes it
         block_lo = self.block[0]
@@ -284,14 +299,17 @@ class RowState:
                 chosen_probability: Tensor, logits: Tensor) -> Tensor:
         """Write the chosen commits into the window; returns their block offsets. `where` and
         `positions`: the block offsets and window positions of the rows of the other tensors."""
-        chosen = positions[commit]
-        self.window[chosen] = prediction[commit]
-        self.confidence[chosen] = chosen_probability[commit]
+        # The committed rows as indices, found once: each boolean-mask index would find them
+        # again, and on a GPU each finding is a read back to the host.
+        rows = commit.nonzero().flatten()
+        chosen = positions[rows]
+        self.window[chosen] = prediction[rows]
+        self.confidence[chosen] = chosen_probability[rows]
         if self.logprobs is not None:  # the same distribution as the confidence, at the step that unmasked it
-            kept = chosen_logprobs(logits[commit], prediction[commit], self.plan.request.sampling.logprobs)
-            for position, entry in zip(positions[commit].tolist(), kept, strict=True):
+            kept = chosen_logprobs(logits[rows], prediction[rows], self.plan.request.sampling.logprobs)
+            for position, entry in zip(chosen.tolist(), kept, strict=True):
                 self.logprobs[position] = entry
-        return where[commit]
+        return where[rows]
 
     def _slot_assignment(self, slot_index: int, window: list[int]) -> list[int | None]:
         slot = self.plan.template.template.slots[slot_index]
@@ -371,12 +389,13 @@ class RowState:
         is, the answer is final: nothing after it can change the output, so no more forwards.
         """
         masked = self._masked(0, self.window_length)
-        if self.plan.template is None:
-            end = self.first_end()
-            if end is not None and not bool(masked[:end].any()):
-                return self._finish("stop", now)
         lo, hi = self.block
-        if bool(masked[lo:hi].any()):
+        # The three facts below in one read from the device (three reads on a GPU, otherwise).
+        block_open, stopped = settled_facts(masked, lo, hi, None if self.plan.template is not None else
+                                            torch.isin(self.window, self.end_ids))
+        if stopped:
+            return self._finish("stop", now)
+        if block_open:
             return None
         self.block_index += 1
         self.steps_in_block = 0
