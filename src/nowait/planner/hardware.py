@@ -26,14 +26,14 @@ class Accelerator(BaseModel):
     memory_gb: float = Field(gt=0)
     source: str = "user-supplied"
     date: str = ""
-    read_bandwidth_tb_s: float | None = Field(None, gt=0, description="streaming-read bandwidth, where measured "
-                                                                      "apart from the copy's: a forward mostly "
-                                                                      "reads (its weights), so the roofline's "
-                                                                      "memory time uses it")
+    read_bandwidth_tb_s: float | None = Field(None, gt=0, description="the rate a one-row matmul streams a weight "
+                                                                      "larger than the caches, where measured: a "
+                                                                      "forward mostly reads its weights, so the "
+                                                                      "roofline's memory time uses it")
     gemm_efficiency: dict[str, dict[int, float]] | None = Field(
         None, description="per dtype, the fraction of its peak a matmul of that many rows reaches (measured: "
-                          "rows x n times n x n); the planner's compute efficiency at a forward's width, in "
-                          "place of the assumed one")
+                          "rows x 2048 times 2048 x 4096); the planner's compute efficiency at a forward's "
+                          "width, in place of the assumed one")
 
     def peak_flops(self, dtype: str) -> float:
         if dtype not in self.peak_tflops:
