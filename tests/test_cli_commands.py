@@ -154,7 +154,8 @@ def test_bench_batching_compares_batched_and_one_at_a_time_runs(models):
     assert 1 <= level["output_tokens"] <= 2 and level["batched_tokens_per_s"] > 0
     assert report["settings"] == {"model": str(models / "ar"), "engine": "ar", "structured": False,
                                   "max_tokens": 2, "rounds": 1, "threads": report["settings"]["threads"],
-                                  "device": "cpu", "peak_flops": report["settings"]["peak_flops"]}
+                                  "device": "cpu", "peak_flops": report["settings"]["peak_flops"],
+                                  "cuda_graphs": "auto"}
     assert report["settings"]["peak_flops"] > 0  # the matmul peak the compute floors are taken against
 
 
