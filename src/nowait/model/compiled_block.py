@@ -28,7 +28,7 @@ from torch import Tensor
 
 from nowait.model.compiled_step import compile_for_one_model
 from nowait.model.kv_cache import KVCache
-from nowait.model.transformer import Transformer, apply_rotary, mlp_residual, rms_norm
+from nowait.model.transformer import Transformer, mlp_residual, rotated_qkv
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def span_logits(model: Transformer, tokens: Tensor, positions: Tensor, rope: Ten
     output and MLP at the read positions only (every position's keys and values are still
     written)."""
     config = model.config
-    heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
+    heads, dim = config.num_heads, config.head_dim
     length = tokens.shape[0]
     table = rope[positions]  # [T, 2, D]: each token's cos and signed sin
     cos, sin = table[:, 0:1], table[:, 1:2]
@@ -53,11 +53,9 @@ def span_logits(model: Transformer, tokens: Tensor, positions: Tensor, rope: Ten
     last = len(model.layers) - 1
     for index, (layer, layer_keys, layer_values) in enumerate(zip(model.layers, keys, values, strict=True)):
         attn = layer.self_attn
-        qkv = F.linear(rms_norm(x, layer.input_layernorm.weight, layer.eps), attn.qkv_proj.weight,
-                       attn.qkv_proj.bias).view(length, heads + 2 * kv_heads, dim)
-        qk = apply_rotary(qkv[:, : heads + kv_heads], cos, sin)  # [T, heads + kv_heads, D]
+        qk, v = rotated_qkv(layer, x, cos, sin)  # [T, heads + kv_heads, D], [T, kv_heads, D]
         layer_keys[:, -length:] = qk[:, heads:].transpose(0, 1).to(layer_keys.dtype)
-        layer_values[:, -length:] = qkv[:, heads + kv_heads:].transpose(0, 1).to(layer_values.dtype)
+        layer_values[:, -length:] = v.transpose(0, 1).to(layer_values.dtype)
         q = qk[:, :heads]
         if index == last:  # position-wise from here on: only the read rows
             q, x = q[outputs], x[outputs]

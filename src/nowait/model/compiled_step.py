@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nowait.model.kv_cache import KVCache
-from nowait.model.transformer import Transformer, apply_rotary, mlp_residual, rms_norm
+from nowait.model.transformer import Transformer, mlp_residual, rotated_qkv
 
 log = logging.getLogger(__name__)
 
@@ -41,16 +41,15 @@ def one_token_logits(model: Transformer, token: Tensor, position: Tensor, rope: 
     rows of one matrix product (as `ragged_decode_attention` does), reading the cache in place."""
     config = model.config
     heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
-    table = rope[position][:, None]  # [1, 1, 2, D]: the token's cos and signed sin
-    cos, sin = table[..., 0:1, :], table[..., 1:2, :]
+    table = rope[position]  # [1, 2, D]: the token's cos and signed sin
+    cos, sin = table[:, 0:1], table[:, 1:2]
     x = F.embedding(token, model.embed_tokens.weight)  # [1, hidden]
     for layer, layer_keys, layer_values in zip(model.layers, keys, values, strict=True):
         attn = layer.self_attn
-        qkv = F.linear(rms_norm(x, layer.input_layernorm.weight, layer.eps), attn.qkv_proj.weight,
-                       attn.qkv_proj.bias).view(1, 1, heads + 2 * kv_heads, dim)
-        qk = apply_rotary(qkv[:, :, : heads + kv_heads], cos, sin)[0, 0]  # [heads + kv_heads, D]
+        qk, v = rotated_qkv(layer, x, cos, sin)
+        qk = qk[0]  # [heads + kv_heads, D]
         layer_keys[:, -1:] = qk[heads:, None].to(layer_keys.dtype)
-        layer_values[:, -1:] = qkv[0, 0, heads + kv_heads:, None].to(layer_values.dtype)
+        layer_values[:, -1:] = v[0, :, None].to(layer_values.dtype)
         grouped = qk[:heads].reshape(kv_heads, heads // kv_heads, dim)
         scores = torch.bmm(grouped, layer_keys.to(grouped.dtype).transpose(1, 2)) * dim**-0.5
         out = torch.bmm(scores.softmax(-1), layer_values.to(grouped.dtype)).reshape(1, heads * dim)

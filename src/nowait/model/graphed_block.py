@@ -25,7 +25,7 @@ from torch import Tensor
 
 from nowait.model.graphed_step import bucket, capture_checked, graph_memory_pool, slot_buckets
 from nowait.model.kv_cache import KVCache
-from nowait.model.transformer import Transformer, apply_rotary, mlp_residual, rms_norm
+from nowait.model.transformer import Transformer, mlp_residual, rotated_qkv
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +59,9 @@ def static_span_logits(model: Transformer, tokens: Tensor, positions: Tensor, ro
     last = len(model.layers) - 1
     for index, (layer, layer_keys, layer_values) in enumerate(zip(model.layers, keys, values, strict=True)):
         attn = layer.self_attn
-        qkv = F.linear(rms_norm(x, layer.input_layernorm.weight, layer.eps), attn.qkv_proj.weight,
-                       attn.qkv_proj.bias).view(length, heads + 2 * kv_heads, dim)
-        qk = apply_rotary(qkv[:, : heads + kv_heads], cos, sin)  # [T, heads + kv_heads, D]
+        qk, v = rotated_qkv(layer, x, cos, sin)  # [T, heads + kv_heads, D], [T, kv_heads, D]
         layer_keys[:, written] = qk[:, heads:].transpose(0, 1).to(layer_keys.dtype)
-        layer_values[:, written] = qkv[:, heads + kv_heads:].transpose(0, 1).to(layer_values.dtype)
+        layer_values[:, written] = v.transpose(0, 1).to(layer_values.dtype)
         q = qk[:, :heads]
         if index == last:  # position-wise from here on: only the read rows
             q, x = q[outputs], x[outputs]

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from nowait.model.attention import ragged_decode_attention
 from nowait.model.kv_cache import KVCache
-from nowait.model.transformer import Transformer, apply_rotary, mlp_residual, rms_norm
+from nowait.model.transformer import Transformer, mlp_residual, rotated_qkv
 
 log = logging.getLogger(__name__)
 
@@ -73,17 +73,15 @@ def static_decode_logits(model: Transformer, tokens: Tensor, positions: Tensor, 
     visible = torch.arange(slots, device=tokens.device)[None] <= positions[:, None]  # [B, S]
     bias = torch.zeros(visible.shape, dtype=torch.float32, device=tokens.device).masked_fill_(~visible, float("-inf"))
     bias = bias[:, None, None].expand(batch, kv_heads, heads // kv_heads, slots).reshape(-1, heads // kv_heads, slots)
-    table = rope[positions][:, None]  # [B, 1, 2, D]: each row's cos and signed sin
-    cos, sin = table[..., 0:1, :], table[..., 1:2, :]
+    table = rope[positions]  # [B, 2, D]: each row's cos and signed sin
+    cos, sin = table[:, 0:1], table[:, 1:2]
     x = F.embedding(tokens, model.embed_tokens.weight)  # [B, hidden]
     for layer, layer_keys, layer_values in zip(model.layers, keys, values, strict=True):
         attn = layer.self_attn
-        qkv = F.linear(rms_norm(x, layer.input_layernorm.weight, layer.eps), attn.qkv_proj.weight,
-                       attn.qkv_proj.bias).view(batch, 1, heads + 2 * kv_heads, dim)
-        qk = apply_rotary(qkv[:, :, : heads + kv_heads], cos, sin)[:, 0]  # [B, heads + kv_heads, D]
+        qk, v = rotated_qkv(layer, x, cos, sin)  # [B, heads + kv_heads, D], [B, kv_heads, D]
         # keys[rows, :, positions] is [B, kv_heads, D]: the advanced indices' dimension first.
         layer_keys[rows, :, positions] = qk[:, heads:].to(layer_keys.dtype)
-        layer_values[rows, :, positions] = qkv[:, 0, heads + kv_heads:].to(layer_values.dtype)
+        layer_values[rows, :, positions] = v.to(layer_values.dtype)
         q = qk[:, None, :heads]  # [B, 1, heads, D]
         out = ragged_decode_attention(q, layer_keys.to(q.dtype), layer_values.to(q.dtype), bias)
         x = x + F.linear(out.reshape(batch, heads * dim), attn.o_proj.weight)

@@ -224,6 +224,18 @@ class Block(nn.Module):
         return out.add_(x) if inference else x + out
 
 
+def rotated_qkv(layer: Block, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """The first half of `Block.forward` up to attention, for rows x [N, hidden] each at its own
+    position (`cos`, `sin` [N, 1, D], halves of `rotary_table` rows): the queries and keys,
+    rotated, [N, heads + kv_heads, D], and the values [N, kv_heads, D]; for the steps written
+    for the compiler and for CUDA Graphs."""
+    heads, kv_heads = layer.heads, layer.kv_heads
+    attn = layer.self_attn
+    qkv = F.linear(rms_norm(x, layer.input_layernorm.weight, layer.eps), attn.qkv_proj.weight, attn.qkv_proj.bias)
+    qkv = qkv.view(x.shape[0], heads + 2 * kv_heads, layer.head_dim)
+    return apply_rotary(qkv[:, : heads + kv_heads], cos, sin), qkv[:, heads + kv_heads:]
+
+
 def mlp_residual(layer: Block, x: Tensor) -> Tensor:
     """x plus the layer's SwiGLU of its post-attention norm: the second half of `Block.forward`,
     out of place, for the steps written for the compiler and for CUDA Graphs."""
