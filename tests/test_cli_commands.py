@@ -144,6 +144,11 @@ def test_plan_prints_a_route_and_figures_per_engine(tmp_path):
         assert engine["single_stream_tokens_per_s"] > 0
 
 
+def test_bench_batching_refuses_an_unknown_cuda_graphs_mode_in_one_line(models):
+    result = invoke("bench", "batching", "--model", str(models / "ar"), "--cuda-graphs", "maybe")
+    assert result.exit_code == 2 and "--cuda-graphs must be auto, on or off, got 'maybe'" in result.output
+
+
 def test_bench_batching_compares_batched_and_one_at_a_time_runs(models):
     result = invoke("bench", "batching", "--model", str(models / "ar"), "--concurrency", "1", "--rounds", "1",
                     "--max-tokens", "2", "--json")
