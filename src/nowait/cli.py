@@ -40,6 +40,9 @@ err_console = Console(stderr=True)
 @app.callback()
 def root() -> None:
     """nowait: route each request to the engine that pays, and plan the fleet."""
+    from nowait.host_memory import keep_freed_memory
+
+    keep_freed_memory()  # before any engine allocates: a CPU step's temporaries stop faulting pages in
 
 
 class TrainKind(str, Enum):

@@ -21,6 +21,7 @@ from nowait.gateway.config import GatewayConfig
 from nowait.gateway.domain import Backend
 from nowait.gateway.engines import build_backends, build_owned
 from nowait.gateway.owned import OwnedBackend
+from nowait.host_memory import keep_freed_memory
 
 
 def colocated_engine_names(config: GatewayConfig) -> list[str]:
@@ -51,6 +52,7 @@ class GatewayIngress:
     replicas of its own, by engine name (the others run here)."""
 
     def __init__(self, config: GatewayConfig, engines: dict[str, DeploymentHandle]) -> None:
+        keep_freed_memory()  # the engines placed here run in this Ray worker's process
         store = config.store.model_copy(update={"replica": config.store.replica or f"gateway-{replica_id()}"})
         server = config.server.model_copy(update={"torch_threads": colocated_torch_threads(config)
                                                   or config.server.torch_threads})

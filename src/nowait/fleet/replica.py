@@ -19,6 +19,7 @@ from nowait.gateway.domain import Attempt, Call
 from nowait.gateway.engines import build_owned
 from nowait.gateway.errors import APIError
 from nowait.gateway.owned import OwnedBackend, UnavailableBackend
+from nowait.host_memory import keep_freed_memory
 
 
 def replica_id() -> str:
@@ -63,6 +64,7 @@ class EngineReplica:
 
     def __init__(self, name: str, spec: OwnedEngineSpec, window_s: float, default_max_tokens: int,
                  torch_threads: int | None = None) -> None:
+        keep_freed_memory()  # a replica's process is Ray's worker, not a nowait command
         if torch_threads:  # before the engine thread's first operation (deploy.engine_replica_threads)
             import torch
 
