@@ -76,9 +76,10 @@ def test_the_written_threshold_never_moves_past_an_answer_it_accepted():
 def test_calibrate_writes_a_threshold_the_gateway_uses(tmp_path, codec):
     models = save_tiny_models(tmp_path, codec)
     result = CliRunner().invoke(app, ["calibrate", "--model", models["diffusion"], "--ar-model", models["ar"],
-                                      "--n", "3", "--batch-size", "3", "--target", "0.5", "--json"])
+                                      "--n", "3", "--batch-size", "3", "--target", "0.5", "--device", "cpu", "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["device"] == "cpu"
     assert report["n"] == 3 and report["structured"] is True and 0 <= report["confidence_threshold"] <= 1
     assert report["target_field_accuracy"] == 0.5 and 0 <= report["ar_field_accuracy"] <= 1
     written = tmp_path / "diffusion" / CALIBRATION_FILE

@@ -166,10 +166,10 @@ def test_bench_batching_compares_batched_and_one_at_a_time_runs(models):
 
 def test_bench_gateway_measures_added_latency_and_streaming_clients(gateway_config):
     result = invoke("bench", "gateway", "--config", str(gateway_config), "--requests", "1", "--clients", "2",
-                    "--max-tokens", "2", "--json")
+                    "--max-tokens", "2", "--device", "cpu", "--json")
     assert result.exit_code == 0, result.output
     report = last_json(result.stdout)
-    assert report["engine"] == "ar" and report["max_tokens"] == 2
+    assert report["engine"] == "ar" and report["max_tokens"] == 2 and report["device"] == "cpu"
     assert set(report["latency"]["added_ms"]) >= {"p50", "p99"} and report["latency"]["gateway_ms"]["p50"] > 0
     assert report["concurrency"]["clients"] == 2 and report["concurrency"]["errors"] == 0
     assert 2 <= report["concurrency"]["output_tokens"] <= 4
@@ -178,8 +178,9 @@ def test_bench_gateway_measures_added_latency_and_streaming_clients(gateway_conf
 
 def test_bench_load_runs_an_engine_in_process(gateway_config):
     result = invoke("bench", "load", "--engine", "ar", "--config", str(gateway_config), "--max-requests", "1",
-                    "--max-tokens", "4", "--kinds", "kyc", "--json")
+                    "--max-tokens", "4", "--kinds", "kyc", "--device", "cpu", "--json")
     assert result.exit_code == 0, result.output
+    assert last_json(result.stdout)["target"]["devices"] == {"ar": "cpu"}
     (run,) = last_json(result.stdout)["runs"]
     assert (run["target"], run["kind"], run["successful"], run["errors"]) == ("ar", "ar", 1, 0)
     assert run["engines"] == {"ar": 1} and 0 < run["mean_output_tokens"] <= 4 and run["mean_prompt_tokens"] > 10

@@ -214,13 +214,10 @@ def routed_config(config: GatewayConfig, fast_model: str | None = None, fallback
     engines = dict(config.engines)
     r = config.routing
     for name, model in ((r.fast_engine, fast_model), (r.fallback_engine, fallback_model)):
-        if name not in engines:
-            continue
-        update = {"model": model} if model is not None else {}
-        if device is not None:
-            update["device"] = device
-        engines[name] = engines[name].model_copy(update=update)
-    return config.model_copy(update={"engines": engines})
+        if name in engines and model is not None:
+            engines[name] = engines[name].model_copy(update={"model": model})
+    moved = config.model_copy(update={"engines": engines})
+    return moved if device is None else moved.on_device([n for n in (r.fast_engine, r.fallback_engine) if n], device)
 
 
 def routed_engines(config: GatewayConfig, models: ModelCache) -> tuple[RoutedEngine, RoutedEngine, TextCodec]:

@@ -353,8 +353,8 @@ def run_gateway_bench(config: GatewayConfig, engine: str = "ar", requests: int =
                       "tenant_keys_in_process_p50_met": in_process <= TENANT_KEYS_P50_GOAL_MS,
                       "tenant_keys_server_cpu_p50_ms": round(server_cpu, 3),
                       "tenant_keys_server_cpu_p50_met": server_cpu <= TENANT_KEYS_P50_GOAL_MS})
-    return {"engine": engine, "max_tokens": max_tokens, "latency": latency, "concurrency": concurrency,
-            "goals": goals}
+    return {"engine": engine, "device": getattr(config.engines.get(engine), "device", None), "max_tokens": max_tokens,
+            "latency": latency, "concurrency": concurrency, "goals": goals}
 
 
 def gateway(
@@ -364,6 +364,8 @@ def gateway(
     clients: int = typer.Option(200, help="concurrent streaming clients"),
     max_tokens: int = typer.Option(16, help="output tokens per request"),
     threads: int = typer.Option(None, min=1, help="torch CPU threads"),
+    device: str = typer.Option(None, "--device", help="cpu, cuda or cuda:N: run --engine there (default: its "
+                                                      "engines.<name>.device)"),
     tenant_keys: bool = typer.Option(False, "--tenant-keys", help="also time each request with a tenant's store "
                                      "key and limits on, taking turns with a configured key (keys off)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
@@ -381,6 +383,15 @@ def gateway(
         raise typer.Exit(code=2) from None
     if threads:
         settings = settings.model_copy(update={"server": settings.server.model_copy(update={"torch_threads": threads})})
+    if device is not None:
+        from nowait.checkpoints import check_device
+
+        try:
+            check_device(device)
+        except ValueError as error:
+            typer.echo(f"error: {error}", err=True)
+            raise typer.Exit(code=2) from None
+        settings = settings.on_device([engine], device)
     try:
         result = run_gateway_bench(settings, engine, requests, clients, max_tokens, tenant_keys)
     except ValueError as error:

@@ -146,6 +146,16 @@ def settings_from_arguments(**a) -> LoadSettings:
             config = load_config(a["config"]) if a["config"] is not None else default_config()
         except ConfigError as error:
             fail(str(error))
+        if a["device"] is not None:
+            from nowait.checkpoints import check_device
+
+            try:
+                check_device(a["device"])
+            except ValueError as error:
+                fail(str(error))
+            config = config.on_device(engines, a["device"])
+    elif a["device"] is not None:
+        fail("--device applies to --engine (engines run in this process); a server at --base-url runs where it runs")
     system_prefix = ""
     if a["system_prompt_file"] is not None:
         try:
@@ -205,6 +215,8 @@ def load(
     max_seconds: float = typer.Option(None, help="per run: stop issuing after this many seconds"),
     request_timeout: float = typer.Option(120.0, help="seconds per request"),
     threads: int = typer.Option(None, min=1, help="torch CPU threads for --engine"),
+    device: str = typer.Option(None, "--device", help="cpu, cuda or cuda:N: run the --engine engines there "
+                                                      "(default: each engine's engines.<name>.device)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     report: Path = typer.Option(None, "--report", help="directory for report.html, load.json and PNG plots"),
     profile_out: Path = typer.Option(None, "--profile-out", help="write the planner profile (nowait plan --profile)"),

@@ -320,6 +320,9 @@ class LoadSession:
         return {
             "benchmark": "nowait bench load",
             "target": {"base_url": s.base_url, "models": s.models, "engines": s.engines,
+                       # Where each in-process engine ran (--device, else its config's; remote: none).
+                       "devices": ({name: getattr(s.config.engines.get(name), "device", None) for name in s.engines}
+                                   if s.config else None),
                        "description": self.target_description()},
             "workload": {"name": s.workload, "description": description, "kinds": list(s.kinds),
                          "latency_target_ms": s.latency_target_ms if s.workload == "realtime" else None,

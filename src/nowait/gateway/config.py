@@ -224,6 +224,15 @@ class GatewayConfig(Strict):
         """Engines this process runs itself (each on a thread of its own)."""
         return [n for n, e in self.engines.items() if not isinstance(e, RemoteEngineConfig)]
 
+    def on_device(self, names: list[str], device: str) -> GatewayConfig:
+        """This config with the in-process engines among `names` moved to `device` (a bench's or
+        an eval's --device); remote ones are left as they are: they run elsewhere."""
+        engines = dict(self.engines)
+        for name in names:
+            if name in engines and not isinstance(engines[name], RemoteEngineConfig):
+                engines[name] = engines[name].model_copy(update={"device": device})
+        return self.model_copy(update={"engines": engines})
+
     def engine_threads(self, cores: int, engines: int | None = None) -> int:
         """torch's CPU threads (intra-op, shared by every engine of the process):
         `server.torch_threads`, or else `shared_threads` over the in-process engines (or
