@@ -72,7 +72,7 @@ def evaluate(
                                          "(default: the bundled draft), or the diffusion checkpoint for method "
                                          "diffusion (default: the bundled diffusion)"),
     threads: int = typer.Option(None, min=1, help="CPU threads (default: torch's choice)"),
-    device: str = typer.Option("cpu", help="cpu, cuda or cuda:N (engines ar and diffusion)"),
+    device: str = typer.Option("cpu", help="cpu, cuda or cuda:N"),
     tier: str = typer.Option("clean", help=TIER_HELP),
     config: Path = typer.Option(None, "--config", "-c", help="routed: a gateway config (its fast and fallback "
                                                             "engines, thresholds, floors and node prices)"),
@@ -128,9 +128,6 @@ def evaluate(
             diffusion_options(policy, tau, block, cache, refresh=refresh, cache_decoded=cache_decoded)
         except ValueError as error:
             fail(str(error))
-    if device != "cpu" and engine == "spec":
-        # Its acceptance test draws and compares on the host (engines/speculative): not yet moved.
-        fail("--device applies to ar and diffusion decoding; spec runs on the CPU")
     if threads:
         torch.set_num_threads(threads)
     models = ModelCache()

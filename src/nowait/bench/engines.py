@@ -351,8 +351,7 @@ def engines(
                                          "diffusiongemma-26b-a4b (its denoiser step)"),
     dtype: str = typer.Option("fp32", help="with --shape: fp32 or bf16"),
     tokens_per_step: float = typer.Option(2.0, help="with --shape: tokens a diffusion step commits (fixed policy)"),
-    device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N (spec and structured AR entries "
-                                                       "run on the CPU only)"),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N"),
     host_budget: float = typer.Option(1.0, min=0.01, help="seconds to measure the matmul peak each entry's "
                                                           "compute floor is read against"),
     tier: str = typer.Option("clean", help=TIER_HELP),

@@ -355,7 +355,7 @@ class AutoregressiveEngine:
             # per-row parameter tensors; on a small model they cost a visible share of a step.
             tokens = logits.argmax(-1)
         else:
-            params = SamplingBatch.from_params([s.request.sampling for s in seqs])
+            params = SamplingBatch.from_params([s.request.sampling for s in seqs], logits.device)
             tokens = choose_tokens(self._apply_grammar(seqs, logits), params, [s.generator for s in seqs])
         confidences = token_probability(logits, tokens).tolist()
         # Raw logits (before the grammar mask), as the confidences; only rows that ask pay for it.

@@ -34,6 +34,14 @@ class SamplingBatch:
             all_greedy=all(p.temperature == 0 for p in params),
         )
 
+    def on(self, device: torch.device | str) -> SamplingBatch:
+        """These parameters on `device` (itself when they are there already): the engines build
+        them on the host, next to the logits' device only when asked."""
+        if self.temperature.device == torch.device(device):
+            return self
+        return SamplingBatch(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device),
+                             self.all_greedy)
+
     def repeat_rows(self, times: int) -> SamplingBatch:
         """Each row's parameters `times` times in a row (the positions of a speculative verify)."""
         return SamplingBatch(self.temperature.repeat_interleave(times), self.top_k.repeat_interleave(times),
@@ -85,12 +93,11 @@ def sampling_distribution(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """
     if batch.all_greedy:
         return one_hot_argmax(logits)
+    batch = batch.on(logits.device)
     scaled = truncate_top_k_top_p(apply_temperature(logits, batch.temperature), batch.top_k, batch.top_p)
-    probs = scaled.softmax(-1)
-    greedy = batch.temperature == 0
-    if bool(greedy.any()):
-        probs = torch.where(greedy[:, None], one_hot_argmax(logits), probs)
-    return probs
+    # Greedy rows among sampled ones take the one-hot argmax; selected without asking the device
+    # whether any row is greedy (a host read, a synchronization on a GPU).
+    return torch.where((batch.temperature == 0)[:, None], one_hot_argmax(logits), scaled.softmax(-1))
 
 
 # Inverse transform sampling: the first index whose cumulative mass exceeds u * total.
@@ -100,7 +107,7 @@ def sample_from(probs: Tensor, uniforms: Tensor) -> Tensor:
     A zero-probability token owns an empty interval of the CDF, so it is never drawn.
     """
     cdf = probs.cumsum(-1)
-    targets = uniforms.to(cdf.dtype)[:, None] * cdf[:, -1:]
+    targets = uniforms.to(cdf.device, cdf.dtype)[:, None] * cdf[:, -1:]  # uniforms drawn on the host
     return torch.searchsorted(cdf, targets, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
@@ -126,4 +133,4 @@ def choose_tokens(logits: Tensor, batch: SamplingBatch, generators: list[torch.G
     if batch.all_greedy:
         return logits.argmax(-1)
     probs = sampling_distribution(logits, batch)
-    return sample_from(probs, draw_uniforms(generators)[:, 0].to(probs.device))
+    return sample_from(probs, draw_uniforms(generators)[:, 0])

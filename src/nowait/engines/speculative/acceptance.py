@@ -33,17 +33,23 @@ def speculative_accept(draft_tokens: Tensor, num_drafts: Tensor, target_probs: T
     Returns accepted [B] and next_token [B]: the residual norm(max(0, p - q)) at the first
     rejection, the target's own distribution after the last proposal when none is rejected.
     """
+    # The proposals, counts and uniforms are made on the host; the probabilities live where the
+    # models run.
+    device = target_probs.device
+    draft_tokens, num_drafts = draft_tokens.to(device), num_drafts.to(device)
+    accept_uniforms = accept_uniforms.to(device)
     batch, k = draft_tokens.shape
-    rows = torch.arange(batch, device=draft_tokens.device)
+    rows = torch.arange(batch, device=device)
     if k == 0:
-        return torch.zeros(batch, dtype=torch.long), sample_from(target_probs[:, 0], sample_uniforms)
+        return torch.zeros(batch, dtype=torch.long, device=device), sample_from(target_probs[:, 0], sample_uniforms)
     p_of_draft = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
     if draft_probs is None:
         q_of_draft = torch.ones_like(p_of_draft)
     else:
         q_of_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1).clamp(min=1e-30)
     # u < p/q accepts with probability min(1, p/q); u is in [0, 1), so p >= q always accepts.
-    accept = (accept_uniforms < p_of_draft / q_of_draft) & (torch.arange(k)[None, :] < num_drafts[:, None])
+    accept = (accept_uniforms < p_of_draft / q_of_draft) & (torch.arange(k, device=device)[None, :]
+                                                             < num_drafts[:, None])
     accepted = accept.long().cumprod(-1).sum(-1)
     p_next = target_probs[rows, accepted]
     at = accepted.clamp(max=k - 1)
@@ -90,10 +96,12 @@ def proposal_distributions(proposals: list[list[int]], drafted: list[int],
         return None
     width = max(len(p) for p in proposals)
     batch, steps, vocab = draft_probs.shape
-    q = torch.zeros(batch, width, vocab, dtype=draft_probs.dtype)
+    device = draft_probs.device
+    q = torch.zeros(batch, width, vocab, dtype=draft_probs.dtype, device=device)
     q[:, : min(steps, width)] = draft_probs[:, :width]
     for i, (proposal, n) in enumerate(zip(proposals, drafted, strict=True)):
         if len(proposal) > n:
             q[i, n:] = 0
-            q[i, torch.arange(n, len(proposal)), torch.tensor(proposal[n:], dtype=torch.long)] = 1.0
+            q[i, torch.arange(n, len(proposal), device=device),
+              torch.tensor(proposal[n:], dtype=torch.long, device=device)] = 1.0
     return q

@@ -144,7 +144,7 @@ class SpeculativeEngine(AutoregressiveEngine):
         wants_draft = [not answer and (spec.method == "draft" or (spec.method == "hybrid" and not lookup))
                        for answer, lookup in zip(from_answer, lookups, strict=True)]
         greedy = all(s.generator is None and s.matcher is None for s in seqs)
-        params = None if greedy else SamplingBatch.from_params([s.request.sampling for s in seqs])
+        params = None if greedy else SamplingBatch.from_params([s.request.sampling for s in seqs], self.runner.device)
         proposals, drafted, draft_probs = lookups, [0] * len(seqs), None
         if any(b and d for b, d in zip(budgets, wants_draft, strict=True)):
             from_model, drafted, draft_probs = self._draft_proposals(
@@ -410,8 +410,8 @@ class SpeculativeEngine(AutoregressiveEngine):
                 sample_uniforms[i] = draws[-1]
         accepted, next_tokens = speculative_accept(draft_tokens, torch.tensor(counts), target_probs, draft_probs,
                                                    accept_uniforms, sample_uniforms)
-        emitted = torch.cat([draft_tokens, torch.zeros(batch, 1, dtype=torch.long)], dim=1)
-        emitted[torch.arange(batch), accepted] = next_tokens
+        emitted = torch.cat([draft_tokens, torch.zeros(batch, 1, dtype=torch.long)], dim=1).to(accepted.device)
+        emitted[torch.arange(batch, device=accepted.device), accepted] = next_tokens
         self._commit(seqs, proposals, accepted.tolist(), emitted.tolist(), token_probability(logits, emitted).tolist(),
                      verify_logprobs(seqs, logits, emitted))
 
@@ -450,4 +450,4 @@ def last_logits(logits: Tensor, lengths: list[int]) -> Tensor:
     """[B, V]: each row's logits at its last real position of a right-padded [B, T, V] forward."""
     if all(n == logits.shape[1] for n in lengths):
         return logits[:, -1]
-    return logits[torch.arange(len(lengths)), torch.tensor(lengths) - 1]
+    return logits[torch.arange(len(lengths), device=logits.device), torch.tensor(lengths, device=logits.device) - 1]
