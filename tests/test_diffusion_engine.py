@@ -41,7 +41,7 @@ class Wrapped:
         return self
 
     def __call__(self, ids, cache=None, valid_lengths=None, write_cache=True, attention_mask=None, positions=None,
-                 output_positions=None, isolated_prefix=0):
+                 output_positions=None, isolated_prefix=0, positions_end=None):
         if cache is None and self.block_causal is not None:
             attention_mask = block_causal_mask(self.block_causal, ids.shape[1])[None].expand(ids.shape[0], -1, -1)
         seen = positions
@@ -52,7 +52,8 @@ class Wrapped:
         self.calls.append({"positions": seen.clone(), "write": cache is not None and write_cache,
                            "cached": cache is not None, "valid": valid.clone(), "isolated_prefix": isolated_prefix})
         logits = self.model(ids, cache, valid_lengths=valid_lengths, write_cache=write_cache,
-                            attention_mask=attention_mask, positions=positions, isolated_prefix=isolated_prefix).clone()
+                            attention_mask=attention_mask, positions=positions, isolated_prefix=isolated_prefix,
+                            positions_end=positions_end).clone()
         if self.no_end:
             logits[..., self.end_id] -= 30
         logits[..., self.end_id] += self.end_bias

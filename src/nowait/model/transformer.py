@@ -286,7 +286,7 @@ class Transformer(nn.Module):
     def forward(self, input_ids: Tensor, cache: KVCache | None = None, valid_lengths: Tensor | None = None,
                 write_cache: bool = True, attention_mask: Tensor | None = None,
                 positions: Tensor | None = None, output_positions: Tensor | None = None,
-                isolated_prefix: int = 0) -> Tensor:
+                isolated_prefix: int = 0, positions_end: int | None = None) -> Tensor:
         """Logits [B, T, vocab] for `input_ids` [B, T].
 
         Without a cache: a plain forward, causal or bidirectional per the config; an optional
@@ -301,6 +301,8 @@ class Transformer(nn.Module):
         keys and values still stored (K = 0: a cache filled, no logits).
         `isolated_prefix` (bidirectional, one unpadded row written to a cache): the first that
         many new tokens attend only to the cache and themselves (`IsolatedPrefix`).
+        `positions_end`: one past the largest of `positions`, when the caller knows it; else it
+        is read from the device (on a GPU, a synchronization in every forward).
         """
         batch, length = input_ids.shape
         device = input_ids.device
@@ -321,7 +323,7 @@ class Transformer(nn.Module):
             mask = IsolatedPrefix(isolated_prefix, where.start + isolated_prefix)
         elif mask is None and (not c.causal) and padded and bool((valid_lengths < length).any()):
             mask = key_padding_mask(valid_lengths, length)[:, None, None, :].expand(batch, 1, length, length)
-        rope = self._positions_rope(positions, start, cache, length, key_slots, device)
+        rope = self._positions_rope(positions, start, cache, length, key_slots, device, positions_end)
         weight = self.embed_tokens.weight
         plan = plan_attention(mask, write, where, key_slots, length, c.causal and cache is None, c.num_kv_heads,
                               c.num_heads, weight.dtype)
@@ -347,12 +349,13 @@ class Transformer(nn.Module):
         return F.linear(self.norm(x), self.output_weight())
 
     def _positions_rope(self, positions: Tensor | None, start: int | None, cache: KVCache | None, length: int,
-                        key_slots: int, device: torch.device) -> Tensor:
+                        key_slots: int, device: torch.device, positions_end: int | None = None) -> Tensor:
         """Each new token's `rotary_table` row, [B or 1, T, 2, head_dim]: a slice of the table
         when every row's positions are the same run (no cache, or one row written in place),
         else one lookup."""
         if positions is not None:
-            return self.rope(int(positions.max()) + 1, device)[positions]
+            end = positions_end if positions_end is not None else int(positions.max()) + 1
+            return self.rope(end, device)[positions]
         if cache is None or start is not None:
             start = start or 0
             return self.rope(start + length, device)[None, start: start + length]

@@ -110,8 +110,9 @@ def forward_spans(model: Transformer, spans: list[Tensor], starts: list[int], pa
     ids, valid, positions = pad_spans(spans, starts, pad_id)
     if cache is None:
         return model(ids, valid_lengths=valid, output_positions=outputs)
+    # The positions' end is known here, from the host's starts: the model need not read it.
     return model(ids, cache, valid_lengths=valid, write_cache=write, positions=positions, output_positions=outputs,
-                 isolated_prefix=isolated_prefix)
+                 isolated_prefix=isolated_prefix, positions_end=max(starts) + ids.shape[1])
 
 
 def output_window(firsts: list[int], counts: list[int], device: torch.device) -> Tensor:
