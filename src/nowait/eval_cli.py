@@ -227,7 +227,7 @@ def _serving_engine(models: ModelCache, loaded: LoadedModel, engine: str, batch_
                                 device=device)  # the weights `loaded` holds there, not a second copy
     else:
         config = SpecEngineConfig(kind="spec", model=target, method=method, draft=draft, gamma=gamma, max_num_seqs=1,
-                                  structured=structured)
+                                  structured=structured, device=device)
     try:
         return build_engine(config, models).engine
     except IncompatibleDraftError as error:
