@@ -35,8 +35,11 @@ print(json.dumps({"applied": applied, "faults_per_step": faults / 100}))
 
 
 def _faults(mode: str, env: dict[str, str] | None = None) -> dict:
+    # glibc's defaults, whatever the environment running the tests sets for the allocator.
+    inherited = {k: v for k, v in os.environ.items()
+                 if k != host_memory.ENV_SWITCH and not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
     out = subprocess.run([sys.executable, "-c", FAULTS_SCRIPT, mode], capture_output=True, text=True, check=True,
-                         env={**os.environ, **(env or {})})
+                         env={**inherited, **(env or {})})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

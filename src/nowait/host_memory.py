@@ -14,13 +14,12 @@ This is the setting PyTorch's CPU performance guide reaches with jemalloc or tcm
 the allocator already loaded: `mallopt` through ctypes, once, at the start of a command or a
 fleet replica. It changes no result, only when memory goes back to the kernel: the heap keeps
 up to `TRIM_THRESHOLD_BYTES` free (the process's resident size stays near its high-water mark,
-as it would under those allocators). `NOWAIT_KEEP_FREED_MEMORY=0` leaves glibc's defaults.
+as it would under those allocators; so does each thread's arena). `NOWAIT_KEEP_FREED_MEMORY=0` leaves glibc's defaults.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import platform
 
@@ -29,9 +28,9 @@ M_TRIM_THRESHOLD = -1
 M_TOP_PAD = -2
 M_MMAP_THRESHOLD = -3
 
-# The largest mmap threshold glibc accepts on a 64-bit system (HEAP_MAX_SIZE / 2): blocks up to
-# this come from the heap and are reused; larger ones (a KV cache pool, a checkpoint) still get
-# mappings of their own and go back to the kernel when freed.
+# glibc's own cap for its dynamic threshold on a 64-bit system, and half a thread arena's 64 MiB
+# heap: blocks up to this come from the heap and are reused; larger ones (a KV cache pool, a
+# checkpoint) still get mappings of their own and go back to the kernel when freed.
 MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
 # How much free memory the top of the heap may hold before glibc returns it: several steps'
 # temporaries at the largest batches measured, a bound on what the process keeps.
@@ -66,12 +65,13 @@ def _set_thresholds() -> bool:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False  # musl, macOS, Windows: other allocators, other knobs
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        # The glibc already loaded (its soname on every glibc Linux); find_library would run
+        # ldconfig, a subprocess at every command's start.
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    took_mmap = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)  # 1 when it took the value
-    took_trim = mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
-    took_pad = mallopt(M_TOP_PAD, TOP_PAD_BYTES)
-    return bool(took_mmap and took_trim and took_pad)
+    # Each answers 1 when it took the value. The mmap threshold first: refused, nothing else is
+    # set, and glibc's defaults hold whole.
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+                and mallopt(M_TOP_PAD, TOP_PAD_BYTES))

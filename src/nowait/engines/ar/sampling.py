@@ -24,6 +24,7 @@ class SamplingBatch:
     top_k: Tensor  # [B] long, 0 = no cut
     top_p: Tensor  # [B] float in (0, 1]
     all_greedy: bool
+    any_greedy: bool = True  # known from the parameters, so no row needs asking the device
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> SamplingBatch:
@@ -32,6 +33,7 @@ class SamplingBatch:
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             all_greedy=all(p.temperature == 0 for p in params),
+            any_greedy=any(p.temperature == 0 for p in params),
         )
 
     def on(self, device: torch.device | str) -> SamplingBatch:
@@ -40,12 +42,12 @@ class SamplingBatch:
         if self.temperature.device == torch.device(device):
             return self
         return SamplingBatch(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device),
-                             self.all_greedy)
+                             self.all_greedy, self.any_greedy)
 
     def repeat_rows(self, times: int) -> SamplingBatch:
         """Each row's parameters `times` times in a row (the positions of a speculative verify)."""
         return SamplingBatch(self.temperature.repeat_interleave(times), self.top_k.repeat_interleave(times),
-                             self.top_p.repeat_interleave(times), self.all_greedy)
+                             self.top_p.repeat_interleave(times), self.all_greedy, self.any_greedy)
 
 
 def one_hot_argmax(logits: Tensor) -> Tensor:
@@ -95,9 +97,12 @@ def sampling_distribution(logits: Tensor, batch: SamplingBatch) -> Tensor:
         return one_hot_argmax(logits)
     batch = batch.on(logits.device)
     scaled = truncate_top_k_top_p(apply_temperature(logits, batch.temperature), batch.top_k, batch.top_p)
-    # Greedy rows among sampled ones take the one-hot argmax; selected without asking the device
-    # whether any row is greedy (a host read, a synchronization on a GPU).
-    return torch.where((batch.temperature == 0)[:, None], one_hot_argmax(logits), scaled.softmax(-1))
+    probs = scaled.softmax(-1)
+    # Greedy rows among sampled ones take the one-hot argmax. Whether there are any is known from
+    # the parameters: asking the device would be a host read (a synchronization on a GPU).
+    if batch.any_greedy:
+        probs = torch.where((batch.temperature == 0)[:, None], one_hot_argmax(logits), probs)
+    return probs
 
 
 # Inverse transform sampling: the first index whose cumulative mass exceeds u * total.
