@@ -11,8 +11,12 @@ import math
 import os
 import time
 from datetime import date
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from torch import Tensor  # the planner imports torch only to measure
 
 DTYPE_BYTES: dict[str, float] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
 
@@ -174,7 +178,7 @@ def measure_host(budget_s: float = 3.0, threads: int | None = None) -> Accelerat
         target.copy_(source)
         seconds = time_best(lambda: target.copy_(source), repeats=10, budget_s=share / 2)
         bandwidth_tb_s = 2 * elements * 4 / seconds / 1e12
-        read_tb_s = weight_stream_bandwidth(elements, share / 2) / 1e12
+        read_tb_s = weight_stream_bandwidth(source, share / 2) / 1e12  # the same 256 MiB, read as a weight
     finally:
         torch.set_num_threads(previous_threads)
     try:
@@ -209,15 +213,16 @@ def gemm_efficiency_curve(inner: int, outer: int, peak_flops: float, budget_s: f
     return curve
 
 
-def weight_stream_bandwidth(elements: int, budget_s: float) -> float:
-    """Bytes per second a one-row fp32 matmul reads its weight at, the weight `elements` floats
-    (larger than the caches, as a model's are): the kernel a weight-bound decode step is made
-    of. It reads every weight once and writes almost nothing, yet on the development CPU it
-    streamed at 12-19 GB/s for weights of 256-545 MB, where a plain sum read 27 GB/s."""
+def weight_stream_bandwidth(buffer: Tensor, budget_s: float) -> float:
+    """Bytes per second a one-row fp32 matmul reads its weight at, the weight the contiguous fp32
+    `buffer` (larger than the caches, as a model's are; a whole number of 4,096-float rows): the
+    kernel a weight-bound decode step is made of. It reads every weight once and writes almost
+    nothing, yet on the development CPU it streamed at 12-19 GB/s for weights of 256-545 MB,
+    where a plain sum read 27 GB/s."""
     import torch
 
     inner = 4096
-    weight = torch.ones(max(elements // inner, 1), inner)
+    weight = buffer.view(-1, inner)
     x = torch.ones(1, inner)
     x @ weight.T
     seconds = time_best(lambda: x @ weight.T, repeats=10, budget_s=budget_s)
